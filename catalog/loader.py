@@ -1,0 +1,235 @@
+"""Load the catalog YAML into typed entries, failing with one line naming file, field and value.
+
+Each YAML file maps entry names to fields. Values are checked against the dataclass field
+types here (one generic checker), and cross references (dataset -> source, phase -> dataset)
+after all files are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from catalog.schema import Dataset, FilterProfile, MixEntry, Model, Phase, Source
+
+PACKAGED_DIR = Path(__file__).parent
+FILES = {
+    "sources": ("sources.yaml", Source),
+    "profiles": ("profiles.yaml", FilterProfile),
+    "datasets": ("datasets.yaml", Dataset),
+    "phases": ("phases.yaml", Phase),
+    "models": ("models.yaml", Model),
+}
+
+
+class CatalogError(Exception):
+    """A catalog entry is invalid or a lookup names nothing in the catalog."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Catalog:
+    sources: dict[str, Source]
+    profiles: dict[str, FilterProfile]
+    datasets: dict[str, Dataset]
+    phases: dict[str, Phase]
+    models: dict[str, Model]
+    directory: Path
+
+    def source(self, name: str) -> Source:
+        return _lookup(self.sources, "source", name)
+
+    def profile(self, name: str) -> FilterProfile:
+        return _lookup(self.profiles, "filter profile", name)
+
+    def dataset(self, name: str) -> Dataset:
+        return _lookup(self.datasets, "dataset", name)
+
+    def phase(self, name: str) -> Phase:
+        # Users say "3" or "phase-3"; both name the same phase.
+        key = f"phase-{name}" if str(name).isdigit() else str(name)
+        return _lookup(self.phases, "phase", key)
+
+    def model(self, name: str) -> Model:
+        return _lookup(self.models, "model", name)
+
+
+def _lookup(entries: dict, what: str, name: str):
+    if name not in entries:
+        raise CatalogError(f"unknown {what} {name!r}; the catalog has: {', '.join(sorted(entries))}")
+    return entries[name]
+
+
+def catalog_dir() -> Path:
+    """The catalog folder: `SDPIPE_CATALOG` if set, else the YAML shipped with the package."""
+    return Path(os.environ.get("SDPIPE_CATALOG") or PACKAGED_DIR)
+
+
+def load_catalog(directory: str | Path | None = None) -> Catalog:
+    directory = Path(directory) if directory else catalog_dir()
+    loaded: dict[str, dict] = {}
+    for kind, (filename, cls) in FILES.items():
+        path = directory / filename
+        if not path.is_file():
+            raise CatalogError(f"{path}: catalog file is missing")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" (line {mark.line + 1})" if mark else ""
+            raise CatalogError(f"{path}{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+        if not isinstance(raw, dict):
+            raise CatalogError(f"{path}: expected a mapping of {kind} names to fields")
+        loaded[kind] = {
+            str(name): _build(cls, fields, path, str(name)) for name, fields in raw.items()
+        }
+    catalog = Catalog(directory=directory, **loaded)
+    _check_references(catalog)
+    return catalog
+
+
+def _build(cls: type, fields: Any, path: Path, name: str):
+    if not isinstance(fields, dict):
+        raise CatalogError(f"{path}: {name}: expected a mapping of fields, got {fields!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise CatalogError(
+            f"{path}: {name}.{unknown[0]}: unknown field (allowed: {', '.join(sorted(known))})"
+        )
+    values = {"name": name}
+    for f in dataclasses.fields(cls):
+        if f.name == "name":
+            continue
+        if f.name not in fields:
+            has_default = (
+                f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            )
+            if not has_default:
+                raise CatalogError(f"{path}: {name}.{f.name}: required field is missing")
+            continue
+        values[f.name] = _coerce(hints[f.name], fields[f.name], path, f"{name}.{f.name}")
+    return cls(**values)
+
+
+def _coerce(tp: Any, value: Any, path: Path, where: str):
+    """Check `value` against type `tp`, converting lists to tuples and nested mappings."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    fail = CatalogError(f"{path}: {where}: expected {_describe(tp)}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, path, where)
+            except CatalogError:
+                continue
+        raise fail
+    if origin is Literal:
+        if value not in args:
+            raise fail
+        return value
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise fail
+        return tuple(_coerce(args[0], v, path, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise fail
+        fields = {f.name for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise CatalogError(f"{path}: {where}.{unknown[0]}: unknown field")
+        return tp(**{k: _coerce(typing.get_type_hints(tp)[k], v, path, f"{where}.{k}")
+                     for k, v in value.items()})
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise fail
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise fail
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise fail
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise fail
+        return value
+    raise fail
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple:
+        return f"a list of {_describe(args[0])}"
+    if tp is type(None):
+        return "null"
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+             dict: "a mapping"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _check_references(c: Catalog) -> None:
+    d = c.directory
+    for s in c.sources.values():
+        if s.profile not in c.profiles:
+            raise CatalogError(f"{d / 'sources.yaml'}: {s.name}.profile: unknown profile {s.profile!r}")
+        if s.model not in c.models:
+            raise CatalogError(f"{d / 'sources.yaml'}: {s.name}.model: unknown model {s.model!r}")
+    for ds in c.datasets.values():
+        if ds.source not in c.sources:
+            raise CatalogError(f"{d / 'datasets.yaml'}: {ds.name}.source: unknown source {ds.source!r}")
+        if ds.profile not in c.profiles:
+            raise CatalogError(
+                f"{d / 'datasets.yaml'}: {ds.name}.profile: unknown profile {ds.profile!r}"
+            )
+    for p in c.phases.values():
+        where = f"{d / 'phases.yaml'}: {p.name}"
+        if p.model not in c.models:
+            raise CatalogError(f"{where}.model: unknown model {p.model!r}")
+        if p.init_from is not None and p.init_from not in c.phases:
+            raise CatalogError(f"{where}.init_from: unknown phase {p.init_from!r}")
+        if not p.mix:
+            raise CatalogError(f"{where}.mix: a phase needs at least one dataset")
+        for i, m in enumerate(p.mix):
+            if m.dataset not in c.datasets:
+                raise CatalogError(f"{where}.mix[{i}].dataset: unknown dataset {m.dataset!r}")
+            if (m.count is None) == (m.ratio is None):
+                raise CatalogError(f"{where}.mix[{i}]: give exactly one of count or ratio")
+            if m.ratio is not None and p.total is None:
+                raise CatalogError(f"{where}.total: required when the mix uses ratios")
+        for fld in ("lr", "cfg_dropout"):
+            if not 0 <= getattr(p, fld) <= 1:
+                raise CatalogError(f"{where}.{fld}: must be within [0, 1], got {getattr(p, fld)!r}")
+        for fld in ("warmup_steps", "epochs", "batch_size", "grad_accum"):
+            if getattr(p, fld) < (0 if fld == "warmup_steps" else 1):
+                raise CatalogError(f"{where}.{fld}: out of range, got {getattr(p, fld)!r}")
+    for m in c.models.values():
+        where = f"{d / 'models.yaml'}: {m.name}"
+        for net in ("unet", "vae", "text"):
+            if not getattr(m, f"{net}_config") and not getattr(m, f"{net}_pretrained"):
+                raise CatalogError(f"{where}.{net}_config: give {net}_config or {net}_pretrained")
+        if m.resolution % 8:
+            raise CatalogError(f"{where}.resolution: must be a multiple of 8, got {m.resolution}")

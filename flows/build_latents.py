@@ -1,0 +1,117 @@
+"""build-latents: every data stage for one source, one Prefect task run per shard.
+
+fetch-metadata -> filter -> fetch-images -> filter-pixels -> tokenize -> encode. Global
+stages (filter, filter-pixels) wait for every shard before them; per-shard stages run for the
+shards whose inputs finished, so one bad shard costs only its own chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.states import Failed
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from catalog import Catalog, CatalogError, Source, load_catalog
+from flows.stages import DISPLAY, StageFailed, run_stage
+from tasks import demo_source, encode, fetch_images, filter, metadata, shards, tokenize
+from tasks.metadata import SourceError
+from tasks.shards import read_stats, summarize
+
+STAGES = ("metadata", "filtered", "shards", "selected", "tokens", "latents")
+
+
+def preflight(source_name: str) -> tuple[Catalog, Source]:
+    """Everything checkable before any work: the catalog, the source and its location."""
+    catalog = load_catalog()
+    source = catalog.source(source_name)
+    metadata.check_source(source)
+    return catalog, source
+
+
+def source_summary(root: Path, source: str) -> dict[str, dict]:
+    """Per stage: samples in / out and drops by reason, read from the stats records on disk."""
+    return {stage: summarize(read_stats(root, source, stage)) for stage in STAGES}
+
+
+@flow(name="build-latents", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
+def build_latents(source: str = "demo", data_root: str | None = None):
+    """Fetch, filter, tokenize and encode one catalog source into `<root>/<source>/`."""
+    logger = get_run_logger()
+    root = shards.data_root(data_root)
+    try:
+        catalog, src = preflight(source)
+        run_source(root, catalog, src)
+    except (CatalogError, SourceError, StageFailed) as e:
+        logger.error(str(e))
+        return Failed(message=str(e))
+    summary = source_summary(root, source)
+    create_markdown_artifact(summary_markdown(source, summary), key=f"{source}-build-summary",
+                             description=f"build-latents {source}: samples per stage")
+    return summary
+
+
+def run_source(root: Path, catalog: Catalog, src: Source) -> None:
+    name = src.name
+    profile = catalog.profile(src.profile)
+    model = catalog.model(src.model)
+    failures: list[str] = []
+
+    def stage(stage_name: str, units: dict, *, needs_all: bool = False) -> dict[str, dict]:
+        if needs_all and failures:
+            raise StageFailed(f"{DISPLAY[stage_name]} needs every shard before it: " + _failed(failures))
+        done, failed = run_stage(root, name, stage_name, units)
+        failures.extend(f"{DISPLAY[stage_name]}-{name}-{s}" for s in sorted(failed))
+        return done
+
+    files = metadata.list_metadata_files(root, src)
+    stage("metadata", {
+        f"{i:05d}": functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
+        for i, f in enumerate(files)
+    })
+    stage("filtered", {
+        filter.ALL: functools.partial(filter.filter_metadata, root, name, profile,
+                                      src.samples_per_shard)
+    }, needs_all=True)
+    shard_names = sorted(p.stem for p in (root / name / "filtered").glob("[0-9]*.parquet"))
+    server = (demo_source.serve_mirror(root / name / "mirror") if src.kind == "demo"
+              else contextlib.nullcontext())
+    with server:
+        stage("shards", {
+            s: functools.partial(fetch_images.fetch_images_shard, root, name, s,
+                                 image_size=src.resolution, min_side=profile.min_side)
+            for s in shard_names
+        })
+    stage("selected", {
+        filter.ALL: functools.partial(filter.select_pixels, root, name, profile)
+    }, needs_all=True)
+    tokenized = stage("tokens", {
+        s: functools.partial(tokenize.tokenize_shard, root, name, s) for s in shard_names
+    })
+    stage("latents", {
+        s: functools.partial(encode.encode_shard, root, name, s, model)
+        for s in shard_names if s in tokenized
+    })
+    if failures:
+        raise StageFailed(_failed(failures))
+
+
+def _failed(failures: list[str]) -> str:
+    return (f"{len(failures)} shard task(s) failed ({', '.join(failures)}); the rest are done "
+            "and cached: retry the flow run to rerun only these")
+
+
+def summary_markdown(source: str, summary: dict[str, dict]) -> str:
+    lines = [f"# build-latents {source}", "", "| stage | in | out | dropped |", "|---|---|---|---|"]
+    for stage, s in summary.items():
+        dropped = ", ".join(f"{r}: {n}" for r, n in s["dropped"].items()) or "-"
+        lines.append(f"| {DISPLAY[stage]} | {s['num_in']} | {s['num_out']} | {dropped} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    build_latents()

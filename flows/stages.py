@@ -1,0 +1,119 @@
+"""Prefect wrappers for stage logic: one task run per shard, named, cached, retried on I/O.
+
+The cache key is (stage, source, shard, stage version, data root) and results persist under
+the data root, so retrying a failed flow run resolves finished shards from the cache and runs
+only the shards that failed. Stage logic lives in `tasks/`; nothing here decides data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.filesystems import LocalFileSystem
+from prefect.futures import as_completed
+
+from tasks.shards import ShardStats
+
+# Bump a stage's version when its output changes meaning: cached results of older versions
+# are then ignored.
+STAGE_VERSIONS = {"metadata": 1, "filtered": 1, "shards": 1, "selected": 1, "tokens": 1,
+                  "latents": 1}
+# Stages that read from the network get retries; compute stages fail fast.
+IO_STAGES = {"metadata": 2, "shards": 2}
+# Names shown on the dashboard, as the DAG in DESIGN.md names the stages.
+DISPLAY = {"metadata": "fetch-metadata", "filtered": "filter", "shards": "fetch-images",
+           "selected": "filter-pixels", "tokens": "tokenize", "latents": "encode"}
+
+
+class StageFailed(Exception):
+    """Some shards of a stage failed; the others finished and are cached."""
+
+
+def _root_id(root: str) -> str:
+    return hashlib.sha1(root.encode()).hexdigest()[:10]
+
+
+def result_storage(root: Path) -> str:
+    """A storage block for task results under the data root, saved on the server once.
+
+    Results live beside the data they describe: deleting the data root also forgets the
+    cache, so a cached "done" can never point at outputs that are gone.
+    """
+    name = f"sdpipe-results-{_root_id(str(root))}"
+    LocalFileSystem(basepath=str(root / ".prefect" / "results")).save(name, overwrite=True)
+    return f"local-file-system/{name}"
+
+
+def _cache_key(context, parameters: dict) -> str:
+    root_id = _root_id(parameters["root"])
+    stage = parameters["stage"]
+    return (f"{stage}-{parameters['source']}-{parameters['shard']}"
+            f"-v{STAGE_VERSIONS[stage]}-{root_id}")
+
+
+@task(persist_result=True, cache_key_fn=_cache_key)
+def shard_task(stage: str, source: str, shard: str, root: str, run: Callable[[], ShardStats]) -> dict:
+    """Run one shard of one stage; returns its stats record as a dict."""
+    stats = run()
+    logger = get_run_logger()
+    verb = "already done" if stats.skipped else f"done in {stats.seconds:.1f}s"
+    logger.info("%s %s/%s %s: %d in, %d out, dropped %s", DISPLAY[stage], source, shard, verb,
+                stats.num_in, stats.num_out, stats.dropped or "nothing")
+    return asdict(stats)
+
+
+def run_stage(
+    root: Path, source: str, stage: str, units: dict[str, Callable[[], ShardStats]]
+) -> tuple[dict[str, dict], dict[str, str]]:
+    """Submit one task per shard, publish progress and counts.
+
+    Every shard runs even if some fail. Returns (stats of finished shards, error per failed
+    shard); the caller decides what the failures block.
+    """
+    logger = get_run_logger()
+    name = DISPLAY[stage]
+    configured = shard_task.with_options(retries=IO_STAGES.get(stage, 0), retry_delay_seconds=2,
+                                         result_storage=result_storage(root))
+    progress_id = create_progress_artifact(
+        0.0, key=f"{source}-{name}-progress", description=f"{name} {source}: shards done")
+    futures = {
+        configured.with_options(task_run_name=f"{name}-{source}-{shard}").submit(
+            stage=stage, source=source, shard=shard, root=str(root), run=run): shard
+        for shard, run in units.items()
+    }
+    done: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    for future in as_completed(list(futures)):
+        shard = futures[future]
+        try:
+            done[shard] = future.result()
+        except Exception as e:  # a shard's failure is reported; the other shards go on
+            failed[shard] = f"{type(e).__name__}: {e}"
+            logger.error("%s %s/%s failed: %s", name, source, shard, failed[shard])
+        update_progress_artifact(progress_id, 100.0 * (len(done) + len(failed)) / len(futures))
+    publish_counts(source, name, done)
+    return done, failed
+
+
+def publish_counts(source: str, name: str, done: dict[str, dict]) -> None:
+    """A table artifact: samples in / out and drops per reason, per shard and in total."""
+    reasons = sorted({r for s in done.values() for r in s["dropped"]})
+    rows = []
+    for shard in sorted(done):
+        s = done[shard]
+        rows.append({"shard": shard, "in": s["num_in"], "out": s["num_out"],
+                     **{r: s["dropped"].get(r, 0) for r in reasons}})
+    rows.append({"shard": "total", "in": sum(r["in"] for r in rows),
+                 "out": sum(r["out"] for r in rows),
+                 **{r: sum(row[r] for row in rows) for r in reasons}})
+    create_table_artifact(rows, key=f"{source}-{name}-counts",
+                          description=f"{name} {source}: samples in, out and dropped by reason")

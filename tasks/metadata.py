@@ -1,0 +1,122 @@
+"""fetch-metadata: read a URL source's metadata parquet and write the normalized sample table.
+
+One unit of work per upstream file. Upstream column dialects (LAION's `URL/TEXT/WIDTH/...`
+and the lowercase `url/caption/...`) are renamed on ingest to the one schema every stage
+reads; a file missing a required column fails with what is missing and what was found.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fsspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from catalog import Source
+from tasks import demo_source
+from tasks.shards import ShardStats, atomic_path, run_shard, shard_name
+
+STAGE = "metadata"
+# Normalized column -> upstream spellings, first match wins.
+COLUMNS = {
+    "url": ("URL", "url"),
+    "caption": ("TEXT", "caption", "text"),
+    "width": ("WIDTH", "width"),
+    "height": ("HEIGHT", "height"),
+    "similarity": ("similarity",),
+    "punsafe": ("punsafe",),
+    "pwatermark": ("pwatermark",),
+    "aesthetic": ("aesthetic", "AESTHETIC_SCORE"),
+    "hash": ("hash",),
+}
+REQUIRED = ("url", "caption")
+FLOAT_COLUMNS = ("width", "height", "similarity", "punsafe", "pwatermark", "aesthetic")
+
+
+class SourceError(Exception):
+    """A source's location cannot be read, or its data lacks what the stage needs."""
+
+
+def list_metadata_files(root: Path, source: Source) -> list[str]:
+    """The upstream metadata parquet files of a URL source, in a stable order."""
+    if source.kind == "demo":
+        opts = source.options
+        mirror = demo_source.generate_mirror(
+            root / source.name / "mirror",
+            num_images=int(opts.get("num_images", 240)),
+            seed=int(opts.get("seed", 0)),
+        )
+        return [str(p) for p in sorted((mirror / "metadata").glob("*.parquet"))]
+    location = source.location
+    if location.startswith("hf://datasets/") and source.revision:
+        owner, name, *rest = location.removeprefix("hf://datasets/").split("/")
+        location = f"hf://datasets/{owner}/{name}@{source.revision}/" + "/".join(rest)
+    try:
+        fs, path = fsspec.core.url_to_fs(location)
+        files = sorted(fs.glob(path.rstrip("/") + "/**.parquet"))
+    except Exception as e:  # any filesystem backend error means the same thing to the user
+        raise SourceError(f"source {source.name!r}: cannot list {location}: {e}") from None
+    if not files:
+        raise SourceError(f"source {source.name!r}: no parquet files under {location}")
+    return [fs.unstrip_protocol(f) for f in files]
+
+
+def check_source(source: Source) -> None:
+    """Fail early, in one line, on a local location that does not exist or an unbuilt adapter."""
+    if "://" not in source.location and not Path(source.location).exists():
+        raise SourceError(
+            f"source {source.name!r}: location {source.location} does not exist "
+            f"(set {source.name}.location in the catalog's sources.yaml)"
+        )
+    if source.kind not in ("url", "demo"):
+        raise SourceError(
+            f"source {source.name!r} is of kind {source.kind!r}: its adapter is not built yet; "
+            "build-latents supports url and demo sources today"
+        )
+
+
+def normalize(table: pa.Table, source: str, shard: str, origin: str) -> pa.Table:
+    """Rename upstream columns to the sample-table schema and assign stable keys."""
+    found = table.column_names
+    columns = {}
+    for name, spellings in COLUMNS.items():
+        match = next((s for s in spellings if s in found), None)
+        if match is None:
+            if name in REQUIRED:
+                missing = [n for n in REQUIRED if not any(s in found for s in COLUMNS[n])]
+                raise SourceError(
+                    f"{origin}: missing required column(s) {missing} "
+                    f"(accepted spellings {[COLUMNS[n] for n in missing]}); found {found}"
+                )
+            continue
+        col = table[match]
+        if name in FLOAT_COLUMNS:
+            col = pc.cast(col, pa.float64())
+        elif name == "hash":
+            col = pc.cast(col, pa.int64())
+        else:
+            col = pc.cast(col, pa.string())
+        columns[name] = col
+    n = table.num_rows
+    keys = pa.array([f"{shard}{i:07d}" for i in range(n)], pa.string())
+    out = {"key": keys, "source": pa.array([source] * n, pa.string())}
+    out.update(columns)
+    return pa.table(out)
+
+
+def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) -> ShardStats:
+    shard = shard_name(index)
+    out = root / source.name / STAGE / f"{shard}.parquet"
+
+    def work(stats: ShardStats) -> None:
+        with fsspec.open(location, "rb") as f:
+            table = pq.read_table(f)
+        table = normalize(table, source.name, shard, location)
+        with atomic_path(out) as tmp:
+            pq.write_table(table, tmp)
+        stats.num_in = stats.num_out = table.num_rows
+        stats.extra = {"origin": location}
+
+    return run_shard(root, source.name, STAGE, shard, work)

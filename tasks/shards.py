@@ -1,0 +1,149 @@
+"""The shard contract every stage follows: paths, atomic writes, stats records, resumability.
+
+A shard's stage output is done when its stats record `<stage>/NNNNN.stats.json` exists; the
+record is written last, after every output file has been renamed into place, so a killed
+stage leaves at most hidden temporaries, never a half-written file under a final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+TMP_MARK = ".tmp-"
+
+
+def data_root(root: str | Path | None = None) -> Path:
+    """The data root: the argument, else `SDPIPE_DATA`, else `./data`."""
+    return Path(root or os.environ.get("SDPIPE_DATA") or "data").absolute()
+
+
+def shard_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+def stage_dir(root: Path, source: str, stage: str) -> Path:
+    return root / source / stage
+
+
+def stats_path(root: Path, source: str, stage: str, shard: str) -> Path:
+    return stage_dir(root, source, stage) / f"{shard}.stats.json"
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a hidden temporary path beside `final`; rename it into place on success.
+
+    On an exception the temporary is removed; on SIGKILL it stays hidden (dot-prefixed) and
+    `clean_temporaries` removes it on the next run.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def clean_temporaries(directory: Path, name: str = "") -> int:
+    """Remove temporaries that killed runs left for `name` (default: any); returns the count.
+
+    Shards of a stage run concurrently in one folder, so a shard removes only its own.
+    """
+    if not directory.is_dir():
+        return 0
+    stale = [p for p in directory.iterdir()
+             if p.name.startswith(f".{name}") and TMP_MARK in p.name]
+    for p in stale:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    return len(stale)
+
+
+@dataclass(kw_only=True, slots=True)
+class ShardStats:
+    """What a stage did to one shard: samples in, samples out, drops by reason."""
+
+    stage: str
+    source: str
+    shard: str
+    num_in: int = 0
+    num_out: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+    skipped: bool = False  # True when the shard was already done and nothing ran
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def check_balanced(self) -> None:
+        """Every input sample is either kept or dropped under a reason."""
+        num_dropped = sum(self.dropped.values())
+        if self.num_in != self.num_out + num_dropped:
+            raise AssertionError(
+                f"{self.stage} {self.source}/{self.shard}: {self.num_in} in != "
+                f"{self.num_out} out + {num_dropped} dropped {self.dropped}"
+            )
+
+    @classmethod
+    def read(cls, path: Path) -> ShardStats:
+        return cls(**json.loads(path.read_text()))
+
+
+def read_stats(root: Path, source: str, stage: str) -> list[ShardStats]:
+    """All stats records of a stage, in shard order."""
+    d = stage_dir(root, source, stage)
+    return [ShardStats.read(p) for p in sorted(d.glob("*.stats.json"))] if d.is_dir() else []
+
+
+def run_shard(
+    root: Path, source: str, stage: str, shard: str, work: Callable[[ShardStats], None]
+) -> ShardStats:
+    """Run `work` for one shard unless its stats record says it is done.
+
+    `work` writes its outputs (each through `atomic_path`) and fills in the stats; the stats
+    record is written after it returns, which marks the shard done.
+    """
+    record = stats_path(root, source, stage, shard)
+    if record.exists():
+        stats = ShardStats.read(record)
+        stats.skipped = True
+        return stats
+    clean_temporaries(record.parent, f"{shard}.")
+    stats = ShardStats(stage=stage, source=source, shard=shard)
+    start = time.perf_counter()
+    work(stats)
+    stats.seconds = round(time.perf_counter() - start, 3)
+    stats.check_balanced()
+    write_json_atomic(record, asdict(stats))
+    return stats
+
+
+def summarize(stats: list[ShardStats]) -> dict:
+    """Totals over a stage's shards: samples in/out and drops per reason."""
+    dropped: Counter[str] = Counter()
+    for s in stats:
+        dropped.update(s.dropped)
+    return {
+        "num_shards": len(stats),
+        "num_in": sum(s.num_in for s in stats),
+        "num_out": sum(s.num_out for s in stats),
+        "dropped": dict(sorted(dropped.items())),
+    }
