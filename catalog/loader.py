@@ -43,27 +43,30 @@ class Catalog:
     directory: Path
 
     def source(self, name: str) -> Source:
-        return _lookup(self.sources, "source", name)
+        return self._lookup("sources", "source", name)
 
     def profile(self, name: str) -> FilterProfile:
-        return _lookup(self.profiles, "filter profile", name)
+        return self._lookup("profiles", "filter profile", name)
 
     def dataset(self, name: str) -> Dataset:
-        return _lookup(self.datasets, "dataset", name)
+        return self._lookup("datasets", "dataset", name)
 
     def phase(self, name: str) -> Phase:
         # Users say "3" or "phase-3"; both name the same phase.
         key = f"phase-{name}" if str(name).isdigit() else str(name)
-        return _lookup(self.phases, "phase", key)
+        return self._lookup("phases", "phase", key)
 
     def model(self, name: str) -> Model:
-        return _lookup(self.models, "model", name)
+        return self._lookup("models", "model", name)
 
-
-def _lookup(entries: dict, what: str, name: str):
-    if name not in entries:
-        raise CatalogError(f"unknown {what} {name!r}; the catalog has: {', '.join(sorted(entries))}")
-    return entries[name]
+    def _lookup(self, kind: str, what: str, name: str):
+        entries = getattr(self, kind)
+        if name not in entries:
+            raise CatalogError(
+                f"{self.directory / FILES[kind][0]}: unknown {what} {name!r}; "
+                f"the catalog has: {', '.join(sorted(entries))}"
+            )
+        return entries[name]
 
 
 def catalog_dir() -> Path:

@@ -1,0 +1,121 @@
+"""`sdpipe`: the command line. Errors a user can fix end in one line on stderr, exit code 2.
+
+Commands that run a flow check the catalog, source and phase first (no Prefect needed), so a
+typo fails in a second rather than after a server starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from catalog import CatalogError, load_catalog
+from tasks.shards import data_root
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from flows.curriculum import PhaseNotReady
+    from flows.demo import DemoFailed
+    from flows.local import LocalServerError
+    from sdtrain.models import ModelLoadError
+    from tasks.metadata import SourceError
+    from tasks.mix import MixError
+
+    return (CatalogError, SourceError, PhaseNotReady, MixError, ModelLoadError, LocalServerError,
+            DemoFailed)
+
+
+def cmd_catalog(args: argparse.Namespace) -> None:
+    c = load_catalog()
+    print(f"catalog {c.directory}: ok")
+    for kind in ("sources", "profiles", "datasets", "phases", "models"):
+        print(f"  {kind}: {', '.join(getattr(c, kind))}")
+
+
+def cmd_build_latents(args: argparse.Namespace) -> int:
+    from flows.build_latents import build_latents, preflight
+
+    preflight(args.source)
+    state = build_latents(source=args.source, data_root=args.data_root, return_state=True)
+    return _report(state)
+
+
+def cmd_curriculum(args: argparse.Namespace) -> int:
+    from flows.curriculum import curriculum, preflight
+
+    preflight(args.phase, data_root(args.data_root))
+    state = curriculum(phase=args.phase, data_root=args.data_root, return_state=True)
+    return _report(state)
+
+
+def _report(state) -> int:
+    if state.is_completed():
+        return 0
+    print(f"sdpipe: error: {state.message}", file=sys.stderr)
+    return 1
+
+
+def cmd_summary(args: argparse.Namespace) -> None:
+    from flows.build_latents import source_summary
+    from flows.stages import DISPLAY
+
+    root = data_root(args.data_root)
+    sources = args.sources or sorted(p.name for p in root.iterdir()
+                                     if p.is_dir() and (p / "metadata").is_dir())
+    for source in sources:
+        print(f"{source}:")
+        for stage, s in source_summary(root, source).items():
+            reasons = ", ".join(f"{r}={n}" for r, n in s["dropped"].items()) or "-"
+            print(f"  {DISPLAY[stage]:<14} shards={s['num_shards']:<4} in={s['num_in']:<8} "
+                  f"out={s['num_out']:<8} dropped: {reasons}")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from flows import demo
+
+    demo.main()
+
+
+def cmd_stop(args: argparse.Namespace) -> None:
+    from flows import local
+
+    stopped = local.stop(data_root(args.data_root))
+    print("stopped: " + ", ".join(stopped) if stopped else "nothing was running")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdpipe", description=__doc__.splitlines()[0])
+    parser.add_argument("--data-root", type=Path, default=None,
+                        help="data root (default: $SDPIPE_DATA or ./data)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("catalog", help="validate the catalog and list its entries").set_defaults(
+        fn=cmd_catalog)
+    p = sub.add_parser("build-latents", help="run every data stage for one source, here")
+    p.add_argument("source")
+    p.set_defaults(fn=cmd_build_latents)
+    p = sub.add_parser("curriculum", help="build a phase's mix and train it, here")
+    p.add_argument("phase", help="phase-N, N, or demo")
+    p.set_defaults(fn=cmd_curriculum)
+    p = sub.add_parser("summary", help="samples per stage and drop reason, from the data root")
+    p.add_argument("sources", nargs="*")
+    p.set_defaults(fn=cmd_summary)
+    sub.add_parser("demo", help="the whole chain on the demo source through deployments"
+                   ).set_defaults(fn=cmd_demo)
+    sub.add_parser("stop", help="stop the local Prefect server and worker of the data root"
+                   ).set_defaults(fn=cmd_stop)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.data_root is not None:
+        args.data_root = str(args.data_root.absolute())
+    try:
+        return args.fn(args) or 0
+    except _user_errors() as e:
+        print(f"sdpipe: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
