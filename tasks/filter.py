@@ -117,6 +117,9 @@ def select_pixels(root: Path, source: str, profile: FilterProfile) -> ShardStats
 
     def work(stats: ShardStats) -> None:
         tables = sorted((root / source / "shards").glob("[0-9]*.parquet"))
+        stats.extra = {"num_shards": len(tables), "profile": profile.name}
+        if not tables:  # the metadata filter dropped every row: nothing was fetched
+            return
         con = duckdb.connect()
         con.sql(
             f"CREATE VIEW rows AS SELECT * FROM read_parquet({[str(p) for p in tables]!r}, "
@@ -131,7 +134,6 @@ def select_pixels(root: Path, source: str, profile: FilterProfile) -> ShardStats
             mine = kept.filter(pa.compute.equal(kept["filename"], str(path)))
             with atomic_path(out_dir / path.name) as tmp:
                 pq.write_table(mine.select(["key", "caption"]), tmp)
-        stats.extra = {"num_shards": len(tables), "profile": profile.name}
 
     if out_dir.exists() and not (out_dir / f"{ALL}.stats.json").exists():
         shutil.rmtree(out_dir)  # a killed earlier run: start the unit over

@@ -1,0 +1,68 @@
+"""Shared fixtures: a small demo catalog, and one Prefect server + worker for the session.
+
+Most tests call stage functions directly; only tests that need orchestration (deployments,
+flow-run retries) use `prefect_stack`, which starts a real server on a free loopback port
+with its SQLite database, a process worker and every deployment of prefect.yaml.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+DEMO_IMAGES = 60
+
+
+def write_small_catalog(dest: Path, *, num_images: int = DEMO_IMAGES) -> Path:
+    """The shipped catalog with a smaller demo source (and shards), for fast tests."""
+    from catalog.loader import PACKAGED_DIR
+
+    shutil.copytree(PACKAGED_DIR, dest, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    sources = yaml.safe_load((dest / "sources.yaml").read_text())
+    sources["demo"]["options"] = {"num_images": num_images, "seed": 1}
+    sources["demo"]["samples_per_shard"] = 16
+    (dest / "sources.yaml").write_text(yaml.safe_dump(sources))
+    phases = yaml.safe_load((dest / "phases.yaml").read_text())
+    phases["demo"]["max_steps"] = 4
+    (dest / "phases.yaml").write_text(yaml.safe_dump(phases))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def small_catalog(tmp_path_factory) -> Path:
+    return write_small_catalog(tmp_path_factory.mktemp("catalog") / "catalog")
+
+
+@pytest.fixture(scope="session")
+def prefect_stack(tmp_path_factory, small_catalog):
+    """(data root, port) of a running Prefect server + worker with all deployments."""
+    from flows import local
+    from tasks.demo_source import free_port
+
+    root = tmp_path_factory.mktemp("prefect-data")
+    port = free_port()
+    saved = {k: os.environ.get(k) for k in ("SDPIPE_CATALOG", "PREFECT_API_URL", "PREFECT_HOME")}
+    os.environ["SDPIPE_CATALOG"] = str(small_catalog)
+    os.environ["PREFECT_HOME"] = str(local.prefect_dir(root))
+    os.environ["PREFECT_API_URL"] = local.api_url(port)
+    try:
+        local.ensure_server(root, port)
+        local.deploy(root, port)
+        local.ensure_worker(root, port)
+        yield root, port
+    finally:
+        local.stop(root)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

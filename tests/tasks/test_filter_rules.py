@@ -1,0 +1,174 @@
+"""The metadata filter: which rows a profile keeps, and the one reason each dropped row gets."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from catalog import FilterProfile
+from tasks import filter as filter_stage
+
+SOURCE = "src"
+SCHEMA = pa.schema([
+    ("key", pa.string()), ("source", pa.string()), ("url", pa.string()),
+    ("caption", pa.string()), ("width", pa.float64()), ("height", pa.float64()),
+    ("similarity", pa.float64()), ("punsafe", pa.float64()), ("pwatermark", pa.float64()),
+    ("aesthetic", pa.float64()),
+])
+PROFILE = FilterProfile(
+    name="strict", min_aesthetic=6.5, min_similarity=0.28, max_pwatermark=0.5,
+    max_punsafe=0.5, min_side=512, dedup=("url", "sha256"),
+)
+GOOD = {"width": 800.0, "height": 600.0, "similarity": 0.3, "punsafe": 0.1,
+        "pwatermark": 0.1, "aesthetic": 7.0}
+
+
+def row(key: str, url: str | None = None, **overrides) -> dict:
+    fields = {"key": key, "source": SOURCE, "url": f"http://x/{key}.jpg" if url is None else url,
+              "caption": f"caption {key}", **GOOD}
+    fields.update(overrides)
+    return fields
+
+
+def run_filter(root: Path, rows: list[dict], profile: FilterProfile = PROFILE,
+               samples_per_shard: int = 100):
+    """Write `rows` as the source's metadata, filter it; returns (stats, kept rows in order)."""
+    (root / SOURCE / "metadata").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA),
+                   root / SOURCE / "metadata" / "00000.parquet")
+    stats = filter_stage.filter_metadata(root, SOURCE, profile, samples_per_shard)
+    shards = sorted((root / SOURCE / "filtered").glob("[0-9]*.parquet"))
+    kept = [r for path in shards for r in pq.read_table(path).to_pylist()]
+    return stats, kept
+
+
+def test_profile_keeps_exactly_the_rows_that_pass(tmp_path):
+    rows = [
+        row("a"),
+        row("b", aesthetic=6.5, similarity=0.28, pwatermark=0.5, punsafe=0.5),  # on each edge
+        row("c", aesthetic=6.49),
+        row("d", similarity=0.27),
+        row("e", pwatermark=0.51),
+        row("f", punsafe=0.9),
+        row("g", width=511.0),
+        row("h", height=100.0),
+        row("i", width=512.0, height=512.0),
+        row("j", url=""),
+        row("k", url="   "),
+    ]
+    stats, kept = run_filter(tmp_path, rows)
+    assert [r["key"] for r in kept] == ["a", "b", "i"]
+    assert stats.dropped == {"aesthetic": 1, "similarity": 1, "pwatermark": 1, "punsafe": 1,
+                             "too_small": 2, "missing_url": 2}
+    assert (stats.num_in, stats.num_out) == (len(rows), 3)
+
+
+def test_kept_rows_keep_their_columns(tmp_path):
+    _, kept = run_filter(tmp_path, [row("a")])
+    assert kept == [row("a")]
+
+
+@pytest.mark.parametrize("column", ["aesthetic", "similarity", "pwatermark", "punsafe"])
+@pytest.mark.parametrize("missing", [None, math.nan], ids=["null", "nan"])
+def test_missing_score_fails_its_rule(tmp_path, column, missing):
+    stats, kept = run_filter(tmp_path, [row("a"), row("b", **{column: missing})])
+    assert [r["key"] for r in kept] == ["a"]
+    assert stats.dropped == {column: 1}
+
+
+@pytest.mark.parametrize("missing", [None, math.nan], ids=["null", "nan"])
+def test_missing_size_passes_the_metadata_size_rule(tmp_path, missing):
+    # The size is checked again on the fetched pixels, so an unknown size must not drop a row.
+    rows = [row("a", width=missing), row("b", width=missing, height=missing)]
+    stats, kept = run_filter(tmp_path, rows)
+    assert [r["key"] for r in kept] == ["a", "b"]
+    assert stats.dropped == {}
+
+
+def test_known_small_side_drops_even_when_the_other_is_missing(tmp_path):
+    stats, kept = run_filter(tmp_path, [row("a", width=math.nan, height=100.0)])
+    assert kept == []
+    assert stats.dropped == {"too_small": 1}
+
+
+def test_duplicate_urls_keep_the_smallest_key(tmp_path):
+    rows = [row("c", url="http://x/same.jpg"), row("a", url="http://x/same.jpg"),
+            row("b", url="http://x/same.jpg"), row("d")]
+    stats, kept = run_filter(tmp_path, rows)
+    assert [r["key"] for r in kept] == ["a", "d"]
+    assert stats.dropped == {"duplicate_url": 2}
+
+
+def test_duplicate_is_judged_among_rows_that_pass_every_other_rule(tmp_path):
+    # The smallest key fails a score rule, so the next copy is the one that survives.
+    rows = [row("a", url="http://x/same.jpg", aesthetic=1.0), row("b", url="http://x/same.jpg"),
+            row("c", url="http://x/same.jpg")]
+    stats, kept = run_filter(tmp_path, rows)
+    assert [r["key"] for r in kept] == ["b"]
+    assert stats.dropped == {"aesthetic": 1, "duplicate_url": 1}
+
+
+def test_each_dropped_row_is_counted_once_under_its_first_failing_rule(tmp_path):
+    # Waterfall order: missing_url, too_small, aesthetic, similarity, pwatermark, punsafe.
+    every_score_fails = {"aesthetic": 1.0, "similarity": 0.0, "pwatermark": 1.0, "punsafe": 1.0}
+    rows = [
+        row("a", url="", width=10.0, **every_score_fails),
+        row("b", width=10.0, **every_score_fails),
+        row("c", **every_score_fails),
+        row("d", **{**every_score_fails, "aesthetic": 7.0}),
+        row("e", pwatermark=1.0, punsafe=1.0),
+        row("f", punsafe=1.0),
+    ]
+    stats, kept = run_filter(tmp_path, rows)
+    assert kept == []
+    assert stats.dropped == {"missing_url": 1, "too_small": 1, "aesthetic": 1, "similarity": 1,
+                             "pwatermark": 1, "punsafe": 1}
+
+
+def test_disabled_rules_drop_nothing(tmp_path):
+    open_profile = FilterProfile(name="open")
+    rows = [row("a", aesthetic=None, similarity=math.nan, width=1.0), row("b")]
+    stats, kept = run_filter(tmp_path, rows, open_profile)
+    assert [r["key"] for r in kept] == ["a", "b"]
+    assert stats.dropped == {}
+
+
+def test_kept_rows_are_split_into_shards_in_key_order(tmp_path):
+    rows = [row(f"{i:03d}") for i in reversed(range(25))]
+    stats, kept = run_filter(tmp_path, rows, samples_per_shard=10)
+    shards = sorted(p.name for p in (tmp_path / SOURCE / "filtered").glob("[0-9]*.parquet"))
+    assert shards == ["00000.parquet", "00001.parquet", "00002.parquet"]
+    assert stats.extra["num_shards"] == 3
+    assert [r["key"] for r in kept] == [f"{i:03d}" for i in range(25)]
+
+
+def test_empty_metadata_gives_zero_rows(tmp_path):
+    stats, kept = run_filter(tmp_path, [])
+    assert (stats.num_in, stats.num_out, stats.dropped) == (0, 0, {})
+    assert stats.extra["num_shards"] == 0
+    assert kept == []
+
+
+def test_pixel_selection_after_everything_was_filtered_out(tmp_path):
+    # A profile that drops every metadata row leaves no shard to fetch; the pixel stage that
+    # follows must still complete, with nothing selected.
+    stats, _ = run_filter(tmp_path, [row("a", aesthetic=1.0)])
+    assert stats.num_out == 0
+    selected = filter_stage.select_pixels(tmp_path, SOURCE, PROFILE)
+    assert (selected.num_in, selected.num_out, selected.skipped) == (0, 0, False)
+    assert list((tmp_path / SOURCE / "selected").glob("[0-9]*.parquet")) == []
+
+
+def test_rerun_is_skipped_and_keeps_the_output(tmp_path):
+    first, _ = run_filter(tmp_path, [row("a"), row("b", aesthetic=1.0)])
+    shard = tmp_path / SOURCE / "filtered" / "00000.parquet"
+    mtime = shard.stat().st_mtime_ns
+    again = filter_stage.filter_metadata(tmp_path, SOURCE, PROFILE, 100)
+    assert again.skipped
+    assert (again.num_in, again.num_out, again.dropped) == (first.num_in, first.num_out,
+                                                             first.dropped)
+    assert shard.stat().st_mtime_ns == mtime
