@@ -29,7 +29,7 @@ def write_small_catalog(dest: Path, *, num_images: int = DEMO_IMAGES) -> Path:
     shutil.copytree(PACKAGED_DIR, dest, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
     sources = yaml.safe_load((dest / "sources.yaml").read_text())
     sources["demo"]["options"] = {"num_images": num_images, "seed": 1}
-    sources["demo"]["samples_per_shard"] = 16
+    sources["demo"]["samples_per_shard"] = 24
     (dest / "sources.yaml").write_text(yaml.safe_dump(sources))
     phases = yaml.safe_load((dest / "phases.yaml").read_text())
     phases["demo"]["max_steps"] = 4

@@ -1,0 +1,29 @@
+"""prefect.yaml declares one deployment per catalog source and phase, for the sdpipe pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from catalog import load_catalog
+from flows.local import WORK_POOL
+
+PREFECT_YAML = Path(__file__).resolve().parents[2] / "prefect.yaml"
+
+
+def test_every_source_and_phase_is_deployed():
+    catalog = load_catalog()
+    deployments = yaml.safe_load(PREFECT_YAML.read_text())["deployments"]
+    by_flow: dict[str, set[str]] = {}
+    for d in deployments:
+        flow = {"flows/build_latents.py:build_latents": "build-latents",
+                "flows/curriculum.py:curriculum": "curriculum"}[d["entrypoint"]]
+        by_flow.setdefault(flow, set()).add(d["name"])
+        assert d["work_pool"]["name"] == WORK_POOL
+        # The deployment's parameter names the catalog entry it is named after.
+        assert d["parameters"] == ({"source": d["name"]} if flow == "build-latents"
+                                   else {"phase": d["name"]})
+    assert by_flow["build-latents"] == set(catalog.sources)
+    assert by_flow["curriculum"] == set(catalog.phases)
+    assert {f"phase-{i}" for i in range(1, 8)} | {"demo"} == by_flow["curriculum"]

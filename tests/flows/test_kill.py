@@ -1,0 +1,100 @@
+"""SIGKILL the encode stage mid-run: the rerun finishes the rest and matches a clean run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from catalog import load_catalog
+from tasks import demo_source, fetch_images, filter, metadata, tokenize
+from tasks.shards import ShardStats
+
+pytestmark = pytest.mark.slow
+
+# A VAE big enough that one shard takes about a second on CPU, so the kill lands mid-stage.
+ENCODE_SCRIPT = """
+import sys, dataclasses
+from pathlib import Path
+from catalog import load_catalog
+from tasks.encode import encode_shard
+root = Path(sys.argv[1])
+tiny = load_catalog().model("tiny")
+vae = dict(tiny.vae_config, block_out_channels=[64, 128, 128, 128], layers_per_block=2,
+           norm_num_groups=32)
+model = dataclasses.replace(tiny, name="kill-test", vae_config=vae)
+for tokens in sorted((root / "demo" / "tokens").glob("[0-9]*.parquet")):
+    encode_shard(root, "demo", tokens.stem, model, batch_size=4)
+"""
+
+
+@pytest.fixture(scope="module")
+def tokenized_root(tmp_path_factory, small_catalog) -> Path:
+    """A data root with the small demo source fetched and tokenized (inputs of encode)."""
+    os.environ["SDPIPE_CATALOG"] = str(small_catalog)
+    try:
+        catalog = load_catalog()
+    finally:
+        del os.environ["SDPIPE_CATALOG"]
+    root = tmp_path_factory.mktemp("kill")
+    src, profile = catalog.source("demo"), catalog.profile("demo")
+    for i, f in enumerate(metadata.list_metadata_files(root, src)):
+        metadata.fetch_metadata_shard(root, src, i, f)
+    filter.filter_metadata(root, "demo", profile, src.samples_per_shard)
+    with demo_source.serve_mirror(root / "demo" / "mirror"):
+        for p in sorted((root / "demo" / "filtered").glob("[0-9]*.parquet")):
+            fetch_images.fetch_images_shard(root, "demo", p.stem, image_size=src.resolution,
+                                            min_side=profile.min_side)
+    filter.select_pixels(root, "demo", profile)
+    for p in sorted((root / "demo" / "selected").glob("[0-9]*.parquet")):
+        tokenize.tokenize_shard(root, "demo", p.stem)
+    return root
+
+
+def _encode(root: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", ENCODE_SCRIPT, str(root)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_sigkill_mid_encode_then_rerun(tokenized_root, tmp_path):
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    for dest in (clean, killed):
+        shutil.copytree(tokenized_root, dest, symlinks=True)
+    num_shards = len(list((killed / "demo" / "tokens").glob("[0-9]*.parquet")))
+    assert num_shards >= 3
+
+    proc = _encode(killed)
+    latents = killed / "demo" / "latents"
+    deadline = time.monotonic() + 120
+    while not list(latents.glob("*.stats.json")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # into the next shard's work
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    done = sorted(p.name.split(".")[0] for p in latents.glob("*.stats.json"))
+    assert 1 <= len(done) < num_shards, "the kill must land mid-stage"
+    # No partial file under a final name: every final .npy loads whole.
+    for npy in latents.glob("[0-9]*.npy"):
+        assert np.load(npy).shape[1:] == (4, 8, 8)
+    mtimes = {s: (latents / f"{s}.npy").stat().st_mtime_ns for s in done}
+
+    assert _encode(killed).wait() == 0
+    assert _encode(clean).wait() == 0
+    # The rerun skipped the shards already done and finished the rest ...
+    assert {s: (latents / f"{s}.npy").stat().st_mtime_ns for s in done} == mtimes
+    assert len(list(latents.glob("*.stats.json"))) == num_shards
+    assert not [p for p in latents.iterdir() if ".tmp-" in p.name]
+    # ... and its latents equal those of the uninterrupted run, shard by shard.
+    for npy in sorted((clean / "demo" / "latents").glob("[0-9]*.npy")):
+        np.testing.assert_array_equal(np.load(npy), np.load(latents / npy.name))
+        a = ShardStats.read(npy.with_suffix(".stats.json"))
+        b = ShardStats.read(latents / f"{npy.stem}.stats.json")
+        assert a.extra["keys"] == b.extra["keys"]

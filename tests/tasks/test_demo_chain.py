@@ -1,0 +1,169 @@
+"""Every data stage, called directly, on a small demo mirror with planted faults.
+
+The module fixture runs the chain once (metadata -> filter -> fetch -> select -> tokenize ->
+encode); the tests read what it left on disk, the way the trainer and the dashboard do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from catalog import load_catalog
+from catalog.loader import PACKAGED_DIR
+from tasks import demo_source, encode, fetch_images, metadata, tokenize
+from tasks import filter as filter_stage
+from tasks.shards import TMP_MARK, read_stats, summarize
+
+STAGES = ("metadata", "filtered", "shards", "selected", "tokens", "latents")
+
+
+def run_chain(root: Path, source, profile, model) -> None:
+    """The stages of build-latents, in order, as the flow calls them (minus Prefect)."""
+    for i, location in enumerate(metadata.list_metadata_files(root, source)):
+        metadata.fetch_metadata_shard(root, source, i, location)
+    filter_stage.filter_metadata(root, source.name, profile, source.samples_per_shard)
+    shards = sorted(p.stem for p in (root / source.name / "filtered").glob("[0-9]*.parquet"))
+    with demo_source.serve_mirror(root / source.name / "mirror"):
+        # Two at a time, as the flow's thread pool runs them; each starts an img2dataset child.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            list(pool.map(lambda s: fetch_images.fetch_images_shard(
+                root, source.name, s, image_size=source.resolution,
+                min_side=profile.min_side, thread_count=4), shards))
+    filter_stage.select_pixels(root, source.name, profile)
+    for s in shards:
+        tokenize.tokenize_shard(root, source.name, s)
+    for s in shards:
+        encode.encode_shard(root, source.name, s, model)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    catalog = load_catalog(PACKAGED_DIR)
+    # 60 images + the planted rows leave 71 after the metadata filter: 3 fetch shards. Each
+    # fetch starts img2dataset in two fresh interpreters (~7 s of CPU), so shards are few.
+    source = dataclasses.replace(
+        catalog.source("demo"), options={"num_images": 60, "seed": 1}, samples_per_shard=24
+    )
+    root = tmp_path_factory.mktemp("data")
+    profile, model = catalog.profile(source.profile), catalog.model(source.model)
+    run_chain(root, source, profile, model)
+    shards = sorted(p.stem for p in (root / source.name / "filtered").glob("[0-9]*.parquet"))
+    return SimpleNamespace(root=root, source=source, profile=profile, model=model,
+                           name=source.name, shards=shards, dir=root / source.name)
+
+
+def stage_summary(chain, stage: str) -> dict:
+    return summarize(read_stats(chain.root, chain.name, stage))
+
+
+def test_the_chain_ran_over_several_shards(chain):
+    assert len(chain.shards) >= 3
+    for stage in STAGES:
+        expected = 1 if stage in ("metadata", "filtered", "selected") else len(chain.shards)
+        assert stage_summary(chain, stage)["num_shards"] == expected, stage
+
+
+def test_every_planted_fault_is_counted_under_its_reason(chain):
+    dropped: dict[str, int] = {}
+    for stage in STAGES:
+        for reason, n in stage_summary(chain, stage)["dropped"].items():
+            dropped[reason] = dropped.get(reason, 0) + n
+    assert dropped == demo_source.PLANTED
+
+
+def test_every_metadata_row_is_kept_or_dropped(chain):
+    summaries = [stage_summary(chain, stage) for stage in STAGES]
+    num_rows = pq.read_metadata(chain.dir / "metadata" / "00000.parquet").num_rows
+    num_dropped = sum(sum(s["dropped"].values()) for s in summaries)
+    assert summaries[0]["num_in"] == num_rows
+    assert summaries[-1]["num_out"] + num_dropped == num_rows
+    # Each stage takes exactly what the one before it kept.
+    for before, after in zip(summaries, summaries[1:], strict=False):
+        assert after["num_in"] == before["num_out"]
+
+
+def test_shards_are_webdataset_tars_of_the_successful_rows(chain):
+    for shard in chain.shards:
+        table = pq.read_table(chain.dir / "shards" / f"{shard}.parquet").to_pylist()
+        success = [r for r in table if r["status"] == "success"]
+        samples = list(wds.WebDataset(str(chain.dir / "shards" / f"{shard}.tar"),
+                                      shardshuffle=False))
+        assert sorted(s["__key__"] for s in samples) == [r["key"] for r in success]
+        captions = {r["key"]: r["caption"] for r in success}
+        for sample in samples:
+            key = sample["__key__"]
+            assert sample["txt"].decode() == captions[key]
+            assert json.loads(sample["json"])["key"] == key
+            image = Image.open(io.BytesIO(sample["jpg"]))
+            assert image.size == (chain.source.resolution, chain.source.resolution)
+
+
+def test_failed_rows_stay_in_the_sample_table_with_their_reason(chain):
+    statuses: dict[str, int] = {}
+    for shard in chain.shards:
+        for status in pq.read_table(chain.dir / "shards" / f"{shard}.parquet")["status"]:
+            statuses[status.as_py()] = statuses.get(status.as_py(), 0) + 1
+    statuses.pop("success")
+    assert statuses == {"http_404": 3, "decode_error": 2, "too_small": 2}
+
+
+def test_latents_are_fp16_rows_of_the_encoded_keys(chain):
+    side = chain.model.resolution // 8
+    for stats in read_stats(chain.root, chain.name, "latents"):
+        latents = np.load(chain.dir / "latents" / f"{stats.shard}.npy")
+        keys = stats.extra["keys"]
+        assert latents.dtype == np.float16
+        assert latents.shape == (len(keys), 4, side, side)
+        assert np.isfinite(latents).all()
+        token_keys = pq.read_table(chain.dir / "tokens" / f"{stats.shard}.parquet")["key"]
+        assert [token_keys[row].as_py() for row in stats.extra["token_rows"]] == keys
+    assert sum(len(s.extra["keys"]) for s in read_stats(chain.root, chain.name, "latents")) > 0
+
+
+def test_selected_samples_are_unique_images(chain):
+    selected = [k for s in chain.shards
+                for k in pq.read_table(chain.dir / "selected" / f"{s}.parquet")["key"].to_pylist()]
+    sha = {}
+    for shard in chain.shards:
+        table = pq.read_table(chain.dir / "shards" / f"{shard}.parquet")
+        sha.update(zip(table["key"].to_pylist(), table["sha256"].to_pylist(), strict=True))
+    assert len({sha[k] for k in selected}) == len(selected)
+
+
+def test_rerun_skips_every_stage_and_rewrites_nothing(chain):
+    def snapshot() -> dict[str, int]:
+        return {str(p.relative_to(chain.root)): p.stat().st_mtime_ns
+                for p in chain.root.rglob("*") if p.is_file()}
+
+    before = snapshot()
+    results = [metadata.fetch_metadata_shard(chain.root, chain.source, i, location)
+               for i, location in enumerate(
+                   metadata.list_metadata_files(chain.root, chain.source))]
+    results.append(filter_stage.filter_metadata(chain.root, chain.name, chain.profile,
+                                                chain.source.samples_per_shard))
+    # No server: a fetch that did not skip would fail every URL.
+    results += [fetch_images.fetch_images_shard(chain.root, chain.name, s,
+                                                image_size=chain.source.resolution,
+                                                min_side=chain.profile.min_side)
+                for s in chain.shards]
+    results.append(filter_stage.select_pixels(chain.root, chain.name, chain.profile))
+    results += [tokenize.tokenize_shard(chain.root, chain.name, s) for s in chain.shards]
+    results += [encode.encode_shard(chain.root, chain.name, s, chain.model)
+                for s in chain.shards]
+    assert all(r.skipped for r in results), [r.stage for r in results if not r.skipped]
+    assert snapshot() == before
+
+
+def test_no_hidden_temporaries_remain(chain):
+    assert [p for p in chain.root.rglob("*") if TMP_MARK in p.name] == []
