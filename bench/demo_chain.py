@@ -51,13 +51,24 @@ def main() -> None:
         stats = read_stats(root, "demo", stage)
         busy = sum(s.seconds for s in stats)
         num_in = sum(s.num_in for s in stats)
-        stages[DISPLAY[stage]] = {"shards": len(stats), "samples_in": num_in,
-                                  "busy_seconds": round(busy, 3),
-                                  "samples_per_s": round(num_in / busy, 1) if busy else None}
+        stages[DISPLAY[stage]] = {
+            "shards": len(stats),
+            "samples_in": num_in,
+            "busy_seconds": round(busy, 3),
+            "samples_per_s": round(num_in / busy, 1) if busy else None,
+        }
     shutil.rmtree(work)
-    print(json.dumps({"bench": "demo_chain", "images": args.images,
-                      "flow_seconds": round(seconds, 1), "stages": stages,
-                      "machine": f"{platform.machine()} {os.cpu_count()} cores"}))
+    print(
+        json.dumps(
+            {
+                "bench": "demo_chain",
+                "images": args.images,
+                "flow_seconds": round(seconds, 1),
+                "stages": stages,
+                "machine": f"{platform.machine()} {os.cpu_count()} cores",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

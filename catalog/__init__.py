@@ -4,6 +4,14 @@ from catalog.loader import Catalog, CatalogError, catalog_dir, load_catalog
 from catalog.schema import Dataset, FilterProfile, MixEntry, Model, Phase, Source
 
 __all__ = [
-    "Catalog", "CatalogError", "Dataset", "FilterProfile", "MixEntry", "Model", "Phase",
-    "Source", "catalog_dir", "load_catalog",
+    "Catalog",
+    "CatalogError",
+    "Dataset",
+    "FilterProfile",
+    "MixEntry",
+    "Model",
+    "Phase",
+    "Source",
+    "catalog_dir",
+    "load_catalog",
 ]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from catalog.schema import Dataset, FilterProfile, MixEntry, Model, Phase, Source
+from catalog.schema import Dataset, FilterProfile, Model, Phase, Source
 
 PACKAGED_DIR = Path(__file__).parent
 FILES = {
@@ -86,7 +86,9 @@ def load_catalog(directory: str | Path | None = None) -> Catalog:
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" (line {mark.line + 1})" if mark else ""
-            raise CatalogError(f"{path}{where}: not valid YAML: {getattr(e, 'problem', e)}") from None
+            raise CatalogError(
+                f"{path}{where}: not valid YAML: {getattr(e, 'problem', e)}"
+            ) from None
         if not isinstance(raw, dict):
             raise CatalogError(f"{path}: expected a mapping of {kind} names to fields")
         loaded[kind] = {
@@ -153,8 +155,12 @@ def _coerce(tp: Any, value: Any, path: Path, where: str):
         unknown = sorted(set(value) - fields)
         if unknown:
             raise CatalogError(f"{path}: {where}.{unknown[0]}: unknown field")
-        return tp(**{k: _coerce(typing.get_type_hints(tp)[k], v, path, f"{where}.{k}")
-                     for k, v in value.items()})
+        return tp(
+            **{
+                k: _coerce(typing.get_type_hints(tp)[k], v, path, f"{where}.{k}")
+                for k, v in value.items()
+            }
+        )
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise fail
@@ -189,8 +195,13 @@ def _describe(tp: Any) -> str:
         return f"a list of {_describe(args[0])}"
     if tp is type(None):
         return "null"
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-             dict: "a mapping"}
+    names = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        dict: "a mapping",
+    }
     return names.get(tp, getattr(tp, "__name__", str(tp)))
 
 
@@ -198,12 +209,16 @@ def _check_references(c: Catalog) -> None:
     d = c.directory
     for s in c.sources.values():
         if s.profile not in c.profiles:
-            raise CatalogError(f"{d / 'sources.yaml'}: {s.name}.profile: unknown profile {s.profile!r}")
+            raise CatalogError(
+                f"{d / 'sources.yaml'}: {s.name}.profile: unknown profile {s.profile!r}"
+            )
         if s.model not in c.models:
             raise CatalogError(f"{d / 'sources.yaml'}: {s.name}.model: unknown model {s.model!r}")
     for ds in c.datasets.values():
         if ds.source not in c.sources:
-            raise CatalogError(f"{d / 'datasets.yaml'}: {ds.name}.source: unknown source {ds.source!r}")
+            raise CatalogError(
+                f"{d / 'datasets.yaml'}: {ds.name}.source: unknown source {ds.source!r}"
+            )
         if ds.profile not in c.profiles:
             raise CatalogError(
                 f"{d / 'datasets.yaml'}: {ds.name}.profile: unknown profile {ds.profile!r}"

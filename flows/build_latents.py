@@ -50,8 +50,11 @@ def build_latents(source: str = "demo", data_root: str | None = None):
         logger.error(str(e))
         return Failed(message=str(e))
     summary = source_summary(root, source)
-    create_markdown_artifact(summary_markdown(source, summary), key=f"{source}-build-summary",
-                             description=f"build-latents {source}: samples per stage")
+    create_markdown_artifact(
+        summary_markdown(source, summary),
+        key=f"{source}-build-summary",
+        description=f"build-latents {source}: samples per stage",
+    )
     return summary
 
 
@@ -63,46 +66,77 @@ def run_source(root: Path, catalog: Catalog, src: Source) -> None:
 
     def stage(stage_name: str, units: dict, *, needs_all: bool = False) -> dict[str, dict]:
         if needs_all and failures:
-            raise StageFailed(f"{DISPLAY[stage_name]} needs every shard before it: " + _failed(failures))
+            raise StageFailed(
+                f"{DISPLAY[stage_name]} needs every shard before it: " + _failed(failures)
+            )
         done, failed = run_stage(root, name, stage_name, units)
         failures.extend(f"{DISPLAY[stage_name]}-{name}-{s}" for s in sorted(failed))
         return done
 
     files = metadata.list_metadata_files(root, src)
-    stage("metadata", {
-        f"{i:05d}": functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
-        for i, f in enumerate(files)
-    })
-    stage("filtered", {
-        filter.ALL: functools.partial(filter.filter_metadata, root, name, profile,
-                                      src.samples_per_shard)
-    }, needs_all=True)
+    stage(
+        "metadata",
+        {
+            f"{i:05d}": functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
+            for i, f in enumerate(files)
+        },
+    )
+    stage(
+        "filtered",
+        {
+            filter.ALL: functools.partial(
+                filter.filter_metadata, root, name, profile, src.samples_per_shard
+            )
+        },
+        needs_all=True,
+    )
     shard_names = sorted(p.stem for p in (root / name / "filtered").glob("[0-9]*.parquet"))
-    server = (demo_source.serve_mirror(root / name / "mirror") if src.kind == "demo"
-              else contextlib.nullcontext())
+    server = (
+        demo_source.serve_mirror(root / name / "mirror")
+        if src.kind == "demo"
+        else contextlib.nullcontext()
+    )
     with server:
-        stage("shards", {
-            s: functools.partial(fetch_images.fetch_images_shard, root, name, s,
-                                 image_size=src.resolution, min_side=profile.min_side)
+        stage(
+            "shards",
+            {
+                s: functools.partial(
+                    fetch_images.fetch_images_shard,
+                    root,
+                    name,
+                    s,
+                    image_size=src.resolution,
+                    min_side=profile.min_side,
+                )
+                for s in shard_names
+            },
+        )
+    stage(
+        "selected",
+        {filter.ALL: functools.partial(filter.select_pixels, root, name, profile)},
+        needs_all=True,
+    )
+    tokenized = stage(
+        "tokens",
+        {s: functools.partial(tokenize.tokenize_shard, root, name, s) for s in shard_names},
+    )
+    stage(
+        "latents",
+        {
+            s: functools.partial(encode.encode_shard, root, name, s, model)
             for s in shard_names
-        })
-    stage("selected", {
-        filter.ALL: functools.partial(filter.select_pixels, root, name, profile)
-    }, needs_all=True)
-    tokenized = stage("tokens", {
-        s: functools.partial(tokenize.tokenize_shard, root, name, s) for s in shard_names
-    })
-    stage("latents", {
-        s: functools.partial(encode.encode_shard, root, name, s, model)
-        for s in shard_names if s in tokenized
-    })
+            if s in tokenized
+        },
+    )
     if failures:
         raise StageFailed(_failed(failures))
 
 
 def _failed(failures: list[str]) -> str:
-    return (f"{len(failures)} shard task(s) failed ({', '.join(failures)}); the rest are done "
-            "and cached: retry the flow run to rerun only these")
+    return (
+        f"{len(failures)} shard task(s) failed ({', '.join(failures)}); the rest are done "
+        "and cached: retry the flow run to rerun only these"
+    )
 
 
 def summary_markdown(source: str, summary: dict[str, dict]) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 from catalog import CatalogError, load_catalog
 from tasks.shards import data_root
 
+
 def _user_errors() -> tuple[type[Exception], ...]:
     from flows.curriculum import PhaseNotReady
     from flows.demo import DemoFailed
@@ -21,8 +22,15 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from tasks.metadata import SourceError
     from tasks.mix import MixError
 
-    return (CatalogError, SourceError, PhaseNotReady, MixError, ModelLoadError, LocalServerError,
-            DemoFailed)
+    return (
+        CatalogError,
+        SourceError,
+        PhaseNotReady,
+        MixError,
+        ModelLoadError,
+        LocalServerError,
+        DemoFailed,
+    )
 
 
 def cmd_catalog(args: argparse.Namespace) -> None:
@@ -60,14 +68,17 @@ def cmd_summary(args: argparse.Namespace) -> None:
     from flows.stages import DISPLAY
 
     root = data_root(args.data_root)
-    sources = args.sources or sorted(p.name for p in root.iterdir()
-                                     if p.is_dir() and (p / "metadata").is_dir())
+    sources = args.sources or sorted(
+        p.name for p in root.iterdir() if p.is_dir() and (p / "metadata").is_dir()
+    )
     for source in sources:
         print(f"{source}:")
         for stage, s in source_summary(root, source).items():
             reasons = ", ".join(f"{r}={n}" for r, n in s["dropped"].items()) or "-"
-            print(f"  {DISPLAY[stage]:<14} shards={s['num_shards']:<4} in={s['num_in']:<8} "
-                  f"out={s['num_out']:<8} dropped: {reasons}")
+            print(
+                f"  {DISPLAY[stage]:<14} shards={s['num_shards']:<4} in={s['num_in']:<8} "
+                f"out={s['num_out']:<8} dropped: {reasons}"
+            )
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -85,11 +96,13 @@ def cmd_stop(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdpipe", description=__doc__.splitlines()[0])
-    parser.add_argument("--data-root", type=Path, default=None,
-                        help="data root (default: $SDPIPE_DATA or ./data)")
+    parser.add_argument(
+        "--data-root", type=Path, default=None, help="data root (default: $SDPIPE_DATA or ./data)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("catalog", help="validate the catalog and list its entries").set_defaults(
-        fn=cmd_catalog)
+        fn=cmd_catalog
+    )
     p = sub.add_parser("build-latents", help="run every data stage for one source, here")
     p.add_argument("source")
     p.set_defaults(fn=cmd_build_latents)
@@ -99,10 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summary", help="samples per stage and drop reason, from the data root")
     p.add_argument("sources", nargs="*")
     p.set_defaults(fn=cmd_summary)
-    sub.add_parser("demo", help="the whole chain on the demo source through deployments"
-                   ).set_defaults(fn=cmd_demo)
-    sub.add_parser("stop", help="stop the local Prefect server and worker of the data root"
-                   ).set_defaults(fn=cmd_stop)
+    sub.add_parser(
+        "demo", help="the whole chain on the demo source through deployments"
+    ).set_defaults(fn=cmd_demo)
+    sub.add_parser(
+        "stop", help="stop the local Prefect server and worker of the data root"
+    ).set_defaults(fn=cmd_stop)
     return parser
 
 

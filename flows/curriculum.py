@@ -49,25 +49,38 @@ def preflight(phase_name: str, root: Path) -> tuple[Catalog, Phase, str]:
 @task(name="mix", task_run_name="mix-{phase.name}")
 def mix_task(root: Path, catalog: Catalog, phase: Phase) -> dict:
     report = mix.build_phase_set(root, catalog, phase)
-    create_table_artifact(report["datasets"], key=f"{_key(phase.name)}-mix",
-                          description=f"{phase.name}: samples drawn per dataset")
+    create_table_artifact(
+        report["datasets"],
+        key=f"{_key(phase.name)}-mix",
+        description=f"{phase.name}: samples drawn per dataset",
+    )
     return report
 
 
 @task(name="train", task_run_name="train-{phase.name}")
 def train_task(root: Path, phase: Phase, init_from: str) -> dict:
     logger = get_run_logger()
-    config = train_config_for_phase(phase, phase_dir=root / "phases" / phase.name,
-                                    run_dir=root / "runs" / phase.name, init_from=init_from)
-    progress_id = create_progress_artifact(0.0, key=f"{_key(phase.name)}-train-progress",
-                                           description=f"{phase.name}: optimizer steps done")
+    config = train_config_for_phase(
+        phase,
+        phase_dir=root / "phases" / phase.name,
+        run_dir=root / "runs" / phase.name,
+        init_from=init_from,
+    )
+    progress_id = create_progress_artifact(
+        0.0,
+        key=f"{_key(phase.name)}-train-progress",
+        description=f"{phase.name}: optimizer steps done",
+    )
 
     def on_line(line: str) -> None:
         logger.info(line)
         if m := STEP_LINE.search(line):
             step, total = int(m.group(1)), int(m.group(2))
-            update_progress_artifact(progress_id, 100.0 * step / total,
-                                     description=f"step {step}/{total} loss={m.group(3)}")
+            update_progress_artifact(
+                progress_id,
+                100.0 * step / total,
+                description=f"step {step}/{total} loss={m.group(3)}",
+            )
 
     return launch_training(config, on_line=on_line)
 
@@ -85,14 +98,16 @@ def curriculum(phase: str = "demo", data_root: str | None = None):
         logger.error(str(e))
         return Failed(message=str(e))
     create_markdown_artifact(
-        "\n".join([
-            f"# curriculum {spec.name}",
-            f"- samples in the mix: {report['num_samples']}",
-            f"- steps: {summary['steps']}, loss {summary['first_loss']:.4f} -> "
-            f"{summary['last_loss']:.4f}, {summary['samples_per_s']:.1f} samples/s",
-            f"- checkpoint: `{summary['checkpoint']}`",
-            f"- sample grid: `{summary['sample_grid']}`",
-        ]),
+        "\n".join(
+            [
+                f"# curriculum {spec.name}",
+                f"- samples in the mix: {report['num_samples']}",
+                f"- steps: {summary['steps']}, loss {summary['first_loss']:.4f} -> "
+                f"{summary['last_loss']:.4f}, {summary['samples_per_s']:.1f} samples/s",
+                f"- checkpoint: `{summary['checkpoint']}`",
+                f"- sample grid: `{summary['sample_grid']}`",
+            ]
+        ),
         key=f"{_key(spec.name)}-train-summary",
         description=f"{spec.name}: training summary",
     )

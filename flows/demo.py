@@ -26,18 +26,25 @@ class DemoFailed(Exception):
 
 def run_deployment(name: str, root: Path, port: int) -> None:
     print(f"$ prefect deployment run {name} --watch", flush=True)
-    done = local.prefect_cli(["deployment", "run", name, "--watch", "--watch-interval", "2"],
-                             root, port)
+    done = local.prefect_cli(
+        ["deployment", "run", name, "--watch", "--watch-interval", "2"], root, port
+    )
     if done.returncode != 0 or "Completed" not in done.stdout:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
-        raise DemoFailed(f"{name} did not complete; logs: {local.prefect_dir(root)}/worker.log\n{tail}")
+        raise DemoFailed(
+            f"{name} did not complete; logs: {local.prefect_dir(root)}/worker.log\n{tail}"
+        )
 
 
 def format_summary(root: Path, port: int, seconds: float) -> str:
     stages = source_summary(root, "demo")
     num_input = stages["metadata"]["num_in"]
-    lines = ["", f"sdpipe demo finished in {seconds:.0f} s", "",
-             f"{'stage':<15}{'in':>6}{'out':>6}  dropped by reason"]
+    lines = [
+        "",
+        f"sdpipe demo finished in {seconds:.0f} s",
+        "",
+        f"{'stage':<15}{'in':>6}{'out':>6}  dropped by reason",
+    ]
     num_dropped = 0
     for stage, s in stages.items():
         num_dropped += sum(s["dropped"].values())
@@ -45,9 +52,12 @@ def format_summary(root: Path, port: int, seconds: float) -> str:
         lines.append(f"{DISPLAY[stage]:<15}{s['num_in']:>6}{s['num_out']:>6}  {reasons}")
     num_kept = stages["latents"]["num_out"]
     balance = "ok" if num_kept + num_dropped == num_input else "MISMATCH"
-    lines += ["", f"input rows {num_input} = kept {num_kept} + dropped {num_dropped}: {balance}",
-              f"latents written: {num_kept} samples in {stages['latents']['num_shards']} shards "
-              f"under {root / 'demo' / 'latents'}"]
+    lines += [
+        "",
+        f"input rows {num_input} = kept {num_kept} + dropped {num_dropped}: {balance}",
+        f"latents written: {num_kept} samples in {stages['latents']['num_shards']} shards "
+        f"under {root / 'demo' / 'latents'}",
+    ]
     summary = json.loads((root / "runs" / "demo" / "summary.json").read_text())
     lines += [
         f"training: {summary['steps']} steps on {summary['world_size']} ranks, loss "
@@ -68,8 +78,11 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     print(f"data root: {root}", flush=True)
     if local.ensure_server(root, port):
-        print(f"started a Prefect server on {local.api_url(port)} (SQLite under "
-              f"{local.prefect_dir(root)})", flush=True)
+        print(
+            f"started a Prefect server on {local.api_url(port)} (SQLite under "
+            f"{local.prefect_dir(root)})",
+            flush=True,
+        )
     local.deploy(root, port)
     if local.ensure_worker(root, port):
         print(f"started a process worker for pool '{local.WORK_POOL}'", flush=True)

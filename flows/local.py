@@ -67,9 +67,15 @@ def _alive(pid_file: Path) -> bool:
 def _start(name: str, command: list[str], root: Path, env: dict[str, str]) -> int:
     log = prefect_dir(root) / f"{name}.log"
     with open(log, "ab") as out:
-        proc = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            command,
+            cwd=PROJECT_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     (prefect_dir(root) / f"{name}.pid").write_text(str(proc.pid))
     return proc.pid
 
@@ -80,8 +86,22 @@ def ensure_server(root: Path, port: int, timeout_s: float = 120) -> bool:
     if healthy(url):
         return False
     prefect_dir(root).mkdir(parents=True, exist_ok=True)
-    _start("server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                      "--port", str(port)], root, prefect_env(root, port))
+    _start(
+        "server",
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        root,
+        prefect_env(root, port),
+    )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if healthy(url):
@@ -98,15 +118,34 @@ def ensure_worker(root: Path, port: int) -> bool:
     if _alive(prefect_dir(root) / "worker.pid"):
         return False
     env = prefect_env(root, port)
-    _start("worker", [sys.executable, "-m", "prefect", "worker", "start", "--pool", WORK_POOL,
-                      "--type", "process"], root, env)
+    _start(
+        "worker",
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            WORK_POOL,
+            "--type",
+            "process",
+        ],
+        root,
+        env,
+    )
     return True
 
 
 def prefect_cli(args: list[str], root: Path, port: int) -> subprocess.CompletedProcess:
     """Run `prefect <args>` from the project folder against this root's server."""
-    return subprocess.run([sys.executable, "-m", "prefect", *args], cwd=PROJECT_ROOT,
-                          env=prefect_env(root, port), text=True, capture_output=True)
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        cwd=PROJECT_ROOT,
+        env=prefect_env(root, port),
+        text=True,
+        capture_output=True,
+    )
 
 
 def deploy(root: Path, port: int) -> None:

@@ -25,13 +25,25 @@ from tasks.shards import ShardStats
 
 # Bump a stage's version when its output changes meaning: cached results of older versions
 # are then ignored.
-STAGE_VERSIONS = {"metadata": 1, "filtered": 1, "shards": 1, "selected": 1, "tokens": 1,
-                  "latents": 1}
+STAGE_VERSIONS = {
+    "metadata": 1,
+    "filtered": 1,
+    "shards": 1,
+    "selected": 1,
+    "tokens": 1,
+    "latents": 1,
+}
 # Stages that read from the network get retries; compute stages fail fast.
 IO_STAGES = {"metadata": 2, "shards": 2}
 # Names shown on the dashboard, as the DAG in DESIGN.md names the stages.
-DISPLAY = {"metadata": "fetch-metadata", "filtered": "filter", "shards": "fetch-images",
-           "selected": "filter-pixels", "tokens": "tokenize", "latents": "encode"}
+DISPLAY = {
+    "metadata": "fetch-metadata",
+    "filtered": "filter",
+    "shards": "fetch-images",
+    "selected": "filter-pixels",
+    "tokens": "tokenize",
+    "latents": "encode",
+}
 
 
 class StageFailed(Exception):
@@ -56,18 +68,29 @@ def result_storage(root: Path) -> str:
 def _cache_key(context, parameters: dict) -> str:
     root_id = _root_id(parameters["root"])
     stage = parameters["stage"]
-    return (f"{stage}-{parameters['source']}-{parameters['shard']}"
-            f"-v{STAGE_VERSIONS[stage]}-{root_id}")
+    return (
+        f"{stage}-{parameters['source']}-{parameters['shard']}-v{STAGE_VERSIONS[stage]}-{root_id}"
+    )
 
 
 @task(persist_result=True, cache_key_fn=_cache_key)
-def shard_task(stage: str, source: str, shard: str, root: str, run: Callable[[], ShardStats]) -> dict:
+def shard_task(
+    stage: str, source: str, shard: str, root: str, run: Callable[[], ShardStats]
+) -> dict:
     """Run one shard of one stage; returns its stats record as a dict."""
     stats = run()
     logger = get_run_logger()
     verb = "already done" if stats.skipped else f"done in {stats.seconds:.1f}s"
-    logger.info("%s %s/%s %s: %d in, %d out, dropped %s", DISPLAY[stage], source, shard, verb,
-                stats.num_in, stats.num_out, stats.dropped or "nothing")
+    logger.info(
+        "%s %s/%s %s: %d in, %d out, dropped %s",
+        DISPLAY[stage],
+        source,
+        shard,
+        verb,
+        stats.num_in,
+        stats.num_out,
+        stats.dropped or "nothing",
+    )
     return asdict(stats)
 
 
@@ -81,13 +104,16 @@ def run_stage(
     """
     logger = get_run_logger()
     name = DISPLAY[stage]
-    configured = shard_task.with_options(retries=IO_STAGES.get(stage, 0), retry_delay_seconds=2,
-                                         result_storage=result_storage(root))
+    configured = shard_task.with_options(
+        retries=IO_STAGES.get(stage, 0), retry_delay_seconds=2, result_storage=result_storage(root)
+    )
     progress_id = create_progress_artifact(
-        0.0, key=f"{source}-{name}-progress", description=f"{name} {source}: shards done")
+        0.0, key=f"{source}-{name}-progress", description=f"{name} {source}: shards done"
+    )
     futures = {
         configured.with_options(task_run_name=f"{name}-{source}-{shard}").submit(
-            stage=stage, source=source, shard=shard, root=str(root), run=run): shard
+            stage=stage, source=source, shard=shard, root=str(root), run=run
+        ): shard
         for shard, run in units.items()
     }
     done: dict[str, dict] = {}
@@ -110,10 +136,24 @@ def publish_counts(source: str, name: str, done: dict[str, dict]) -> None:
     rows = []
     for shard in sorted(done):
         s = done[shard]
-        rows.append({"shard": shard, "in": s["num_in"], "out": s["num_out"],
-                     **{r: s["dropped"].get(r, 0) for r in reasons}})
-    rows.append({"shard": "total", "in": sum(r["in"] for r in rows),
-                 "out": sum(r["out"] for r in rows),
-                 **{r: sum(row[r] for row in rows) for r in reasons}})
-    create_table_artifact(rows, key=f"{source}-{name}-counts",
-                          description=f"{name} {source}: samples in, out and dropped by reason")
+        rows.append(
+            {
+                "shard": shard,
+                "in": s["num_in"],
+                "out": s["num_out"],
+                **{r: s["dropped"].get(r, 0) for r in reasons},
+            }
+        )
+    rows.append(
+        {
+            "shard": "total",
+            "in": sum(r["in"] for r in rows),
+            "out": sum(r["out"] for r in rows),
+            **{r: sum(row[r] for row in rows) for r in reasons},
+        }
+    )
+    create_table_artifact(
+        rows,
+        key=f"{source}-{name}-counts",
+        description=f"{name} {source}: samples in, out and dropped by reason",
+    )

@@ -100,7 +100,8 @@ def build_tokenizer():
     from transformers import CLIPTokenizer
 
     bpe_path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
-    lines = gzip.open(bpe_path).read().decode("utf-8").split("\n")
+    with gzip.open(bpe_path, "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")
     merges = [tuple(m.split()) for m in lines[1 : 49152 - 256 - 2 + 1]]
     byte_chars = list(_bytes_to_unicode().values())
     words = byte_chars + [c + "</w>" for c in byte_chars] + ["".join(m) for m in merges]
@@ -117,7 +118,10 @@ def build_tokenizer():
 def tokenize(captions: list[str]) -> torch.Tensor:
     """Token ids [N, 77] int64: BOS, caption, EOS, padded with EOS, truncated at 77."""
     out = build_tokenizer()(
-        captions, padding="max_length", truncation=True, max_length=MAX_TOKENS,
+        captions,
+        padding="max_length",
+        truncation=True,
+        max_length=MAX_TOKENS,
         return_tensors="pt",
     )
     return out.input_ids

@@ -14,7 +14,6 @@ import http.server
 import io
 import json
 import shutil
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
+from tasks.net import free_port
 from tasks.shards import atomic_path
 
 SKIES = {"blue": (90, 150, 230), "orange sunset": (240, 140, 60), "dark night": (20, 20, 50)}
@@ -71,12 +71,6 @@ def _jpeg(img: Image.Image) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=90)
     return buf.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def generate_mirror(dest: Path, *, num_images: int, seed: int) -> Path:

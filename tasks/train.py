@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from catalog import Phase
 from sdtrain.config import TrainConfig
+from tasks.net import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def launch_training(
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(num_procs),
-        "--master_port", str(_free_port()),
+        "--master_port", str(free_port()),
         "-m", "sdtrain.train", "--config", str(config_path),
     ]  # fmt: skip
     # One thread per rank: torch would otherwise start a full pool in every rank.
@@ -80,9 +80,3 @@ def launch_training(
         tail = "\n".join(last_lines)
         raise TrainingFailed(f"torchrun exited with {proc.returncode}: {tail}")
     return json.loads((run_dir / "summary.json").read_text())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -17,8 +17,9 @@ def sdpipe(*args: str, cwd: Path, catalog: Path | None = None) -> subprocess.Com
         env["SDPIPE_CATALOG"] = str(catalog)
     # The installed console script, as a user runs it (python -m would put cwd on sys.path).
     script = Path(sys.executable).with_name("sdpipe")
-    return subprocess.run([str(script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess, *needles: str) -> None:
@@ -37,8 +38,9 @@ def test_bad_catalog_yaml(tmp_path, small_catalog):
     shutil.copytree(small_catalog, bad)
     text = (bad / "phases.yaml").read_text().replace("lr: 2.0e-06", "lr: fast", 1)
     (bad / "phases.yaml").write_text(text)
-    assert_one_line_error(sdpipe("catalog", cwd=tmp_path, catalog=bad),
-                          "phases.yaml", "phase-4.lr", "'fast'")
+    assert_one_line_error(
+        sdpipe("catalog", cwd=tmp_path, catalog=bad), "phases.yaml", "phase-4.lr", "'fast'"
+    )
 
 
 def test_broken_yaml_syntax(tmp_path, small_catalog):
@@ -47,14 +49,16 @@ def test_broken_yaml_syntax(tmp_path, small_catalog):
     bad = tmp_path / "my-catalog"
     shutil.copytree(small_catalog, bad)
     (bad / "datasets.yaml").write_text("laion-broad: {source: laion, profile: [\n")
-    assert_one_line_error(sdpipe("catalog", cwd=tmp_path, catalog=bad),
-                          "datasets.yaml", "not valid YAML")
+    assert_one_line_error(
+        sdpipe("catalog", cwd=tmp_path, catalog=bad), "datasets.yaml", "not valid YAML"
+    )
 
 
 def test_missing_source_location(tmp_path):
     # vggface2 must be supplied by the user at ./vggface2; this folder has none.
-    assert_one_line_error(sdpipe("build-latents", "vggface2", cwd=tmp_path),
-                          "vggface2", "does not exist")
+    assert_one_line_error(
+        sdpipe("build-latents", "vggface2", cwd=tmp_path), "vggface2", "does not exist"
+    )
 
 
 @pytest.mark.parametrize("phase", ["9", "phase-12"])
@@ -63,5 +67,6 @@ def test_unknown_phase(tmp_path, phase):
 
 
 def test_phase_before_its_predecessor(tmp_path):
-    assert_one_line_error(sdpipe("curriculum", "phase-2", cwd=tmp_path),
-                          "phase-1", "run curriculum/phase-1 first")
+    assert_one_line_error(
+        sdpipe("curriculum", "phase-2", cwd=tmp_path), "phase-1", "run curriculum/phase-1 first"
+    )

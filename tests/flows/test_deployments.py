@@ -17,13 +17,16 @@ def test_every_source_and_phase_is_deployed():
     deployments = yaml.safe_load(PREFECT_YAML.read_text())["deployments"]
     by_flow: dict[str, set[str]] = {}
     for d in deployments:
-        flow = {"flows/build_latents.py:build_latents": "build-latents",
-                "flows/curriculum.py:curriculum": "curriculum"}[d["entrypoint"]]
+        flow = {
+            "flows/build_latents.py:build_latents": "build-latents",
+            "flows/curriculum.py:curriculum": "curriculum",
+        }[d["entrypoint"]]
         by_flow.setdefault(flow, set()).add(d["name"])
         assert d["work_pool"]["name"] == WORK_POOL
         # The deployment's parameter names the catalog entry it is named after.
-        assert d["parameters"] == ({"source": d["name"]} if flow == "build-latents"
-                                   else {"phase": d["name"]})
+        assert d["parameters"] == (
+            {"source": d["name"]} if flow == "build-latents" else {"phase": d["name"]}
+        )
     assert by_flow["build-latents"] == set(catalog.sources)
     assert by_flow["curriculum"] == set(catalog.phases)
     assert {f"phase-{i}" for i in range(1, 8)} | {"demo"} == by_flow["curriculum"]

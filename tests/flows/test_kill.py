@@ -50,8 +50,9 @@ def tokenized_root(tmp_path_factory, small_catalog) -> Path:
     filter.filter_metadata(root, "demo", profile, src.samples_per_shard)
     with demo_source.serve_mirror(root / "demo" / "mirror"):
         for p in sorted((root / "demo" / "filtered").glob("[0-9]*.parquet")):
-            fetch_images.fetch_images_shard(root, "demo", p.stem, image_size=src.resolution,
-                                            min_side=profile.min_side)
+            fetch_images.fetch_images_shard(
+                root, "demo", p.stem, image_size=src.resolution, min_side=profile.min_side
+            )
     filter.select_pixels(root, "demo", profile)
     for p in sorted((root / "demo" / "selected").glob("[0-9]*.parquet")):
         tokenize.tokenize_shard(root, "demo", p.stem)
@@ -59,8 +60,9 @@ def tokenized_root(tmp_path_factory, small_catalog) -> Path:
 
 
 def _encode(root: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", ENCODE_SCRIPT, str(root)],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-c", ENCODE_SCRIPT, str(root)], env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 def test_sigkill_mid_encode_then_rerun(tokenized_root, tmp_path):

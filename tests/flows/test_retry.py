@@ -18,18 +18,23 @@ def _task_runs(flow_run_id: str, port: int) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: local.api_url(port)}), \
-            get_client(sync_client=True) as client:
+    with (
+        temporary_settings({PREFECT_API_URL: local.api_url(port)}),
+        get_client(sync_client=True) as client,
+    ):
         return client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
 
 
 def _flow_run_state(flow_run_id: str, port: int):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: local.api_url(port)}), \
-            get_client(sync_client=True) as client:
+    with (
+        temporary_settings({PREFECT_API_URL: local.api_url(port)}),
+        get_client(sync_client=True) as client,
+    ):
         return client.read_flow_run(flow_run_id).state
 
 
@@ -57,8 +62,9 @@ def test_retry_reruns_only_the_failed_shard(prefect_stack):
     blocker = latents / "00001.npy"
     blocker.mkdir(parents=True)
 
-    run = local.prefect_cli(["deployment", "run", "build-latents/demo", "--watch",
-                             "--watch-interval", "1"], root, port)
+    run = local.prefect_cli(
+        ["deployment", "run", "build-latents/demo", "--watch", "--watch-interval", "1"], root, port
+    )
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", run.stdout).group(1)
     state = _flow_run_state(flow_run_id, port)
     assert state.is_failed(), run.stdout[-2000:]
@@ -77,8 +83,14 @@ def test_retry_reruns_only_the_failed_shard(prefect_stack):
 
     executed, cached = _executed_and_cached(_task_runs(flow_run_id, port), 2)
     assert executed == {"encode-demo-00001"}
-    assert {"fetch-metadata-demo-00000", "filter-demo-all", "fetch-images-demo-00000",
-            "filter-pixels-demo-all", "tokenize-demo-00001", "encode-demo-00000"} <= cached
+    assert {
+        "fetch-metadata-demo-00000",
+        "filter-demo-all",
+        "fetch-images-demo-00000",
+        "filter-pixels-demo-all",
+        "tokenize-demo-00001",
+        "encode-demo-00000",
+    } <= cached
     # The other shards' outputs were not rewritten; the failed one now exists.
     done_after = {p.name: p.stat().st_mtime_ns for p in latents.glob("*.npy")}
     assert {k: done_after[k] for k in done_before} == done_before
