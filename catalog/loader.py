@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ FILES = {
     "phases": ("phases.yaml", Phase),
     "models": ("models.yaml", Model),
 }
+
+
+FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 class CatalogError(Exception):
@@ -107,7 +111,8 @@ def _build(cls: type, fields: Any, path: Path, name: str):
     unknown = sorted(set(fields) - known)
     if unknown:
         raise CatalogError(
-            f"{path}: {name}.{unknown[0]}: unknown field (allowed: {', '.join(sorted(known))})"
+            f"{path}: {name}.{unknown[0]}: unknown field "
+            f"(allowed: {', '.join(sorted(known - {'name'}))})"
         )
     values = {"name": name}
     for f in dataclasses.fields(cls):
@@ -174,6 +179,9 @@ def _coerce(tp: Any, value: Any, path: Path, where: str):
             raise fail
         return value
     if tp is float:
+        # YAML 1.1 reads `1e-5` (no dot) as a string; recipe numbers are written that way.
+        if isinstance(value, str) and FLOAT_TEXT.fullmatch(value.strip()):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise fail
         return float(value)

@@ -27,9 +27,18 @@ from tasks.net import free_port
 from tasks.shards import atomic_path
 
 SKIES = {"blue": (90, 150, 230), "orange sunset": (240, 140, 60), "dark night": (20, 20, 50)}
-GROUNDS = {"green grass": (60, 160, 60), "yellow sand": (220, 200, 120), "white snow": (240, 240, 245)}
-COLORS = {"red": (220, 30, 30), "blue": (30, 60, 220), "purple": (140, 40, 170),
-          "black": (15, 15, 15), "pink": (250, 130, 190)}
+GROUNDS = {
+    "green grass": (60, 160, 60),
+    "yellow sand": (220, 200, 120),
+    "white snow": (240, 240, 245),
+}
+COLORS = {
+    "red": (220, 30, 30),
+    "blue": (30, 60, 220),
+    "purple": (140, 40, 170),
+    "black": (15, 15, 15),
+    "pink": (250, 130, 190),
+}
 SHAPES = ("circle", "square", "triangle")
 
 # Planted faults: reason the pipeline must report -> number of rows.
@@ -96,9 +105,14 @@ def _write_mirror(root: Path, *, num_images: int, seed: int, port: int) -> None:
 
     def add(name: str, caption: str, w: int, h: int, **scores) -> dict:
         row = {
-            "URL": f"{base}/{name}", "TEXT": caption, "WIDTH": float(w), "HEIGHT": float(h),
-            "similarity": float(rng.uniform(0.28, 0.4)), "punsafe": float(rng.uniform(0, 0.1)),
-            "pwatermark": float(rng.uniform(0, 0.3)), "aesthetic": float(rng.uniform(5.2, 7.5)),
+            "URL": f"{base}/{name}",
+            "TEXT": caption,
+            "WIDTH": float(w),
+            "HEIGHT": float(h),
+            "similarity": float(rng.uniform(0.28, 0.4)),
+            "punsafe": float(rng.uniform(0, 0.1)),
+            "pwatermark": float(rng.uniform(0, 0.3)),
+            "aesthetic": float(rng.uniform(5.2, 7.5)),
             "hash": int(rng.integers(-(2**62), 2**62)),
         }
         row.update(scores)

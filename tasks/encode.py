@@ -37,7 +37,7 @@ def _vae(model: Model, device: torch.device) -> torch.nn.Module:
 
 
 def load_image(data: bytes, size: int) -> np.ndarray | None:
-    """Decode to RGB uint8 [size, size, 3] (short side resized, center crop); None if undecodable."""
+    """RGB uint8 [size, size, 3]: short side resized, center crop; None if undecodable."""
     bgr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     if bgr is None:
         return None
@@ -45,8 +45,9 @@ def load_image(data: bytes, size: int) -> np.ndarray | None:
     scale = size / min(h, w)
     if scale != 1:
         interp = cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC
-        bgr = cv2.resize(bgr, (max(size, round(w * scale)), max(size, round(h * scale))),
-                         interpolation=interp)
+        bgr = cv2.resize(
+            bgr, (max(size, round(w * scale)), max(size, round(h * scale))), interpolation=interp
+        )
     h, w = bgr.shape[:2]
     top, left = (h - size) // 2, (w - size) // 2
     return cv2.cvtColor(bgr[top : top + size, left : left + size], cv2.COLOR_BGR2RGB)
@@ -74,7 +75,9 @@ def encode_images(vae: torch.nn.Module, images: np.ndarray, scaling_factor: floa
     return (mean.float() * scaling_factor).to(torch.float16).cpu().numpy()
 
 
-def encode_shard(root: Path, source: str, shard: str, model: Model, *, batch_size: int = 32) -> ShardStats:
+def encode_shard(
+    root: Path, source: str, shard: str, model: Model, *, batch_size: int = 32
+) -> ShardStats:
     tokens_path = root / source / "tokens" / f"{shard}.parquet"
     tar_path = root / source / "shards" / f"{shard}.tar"
 
@@ -100,10 +103,12 @@ def encode_shard(root: Path, source: str, shard: str, model: Model, *, batch_siz
         latents = np.zeros((0, 4, side, side), np.float16)
         if pixels:
             stacked = np.stack(pixels)
-            latents = np.concatenate([
-                encode_images(vae, stacked[i : i + batch_size], model.scaling_factor)
-                for i in range(0, len(stacked), batch_size)
-            ])
+            latents = np.concatenate(
+                [
+                    encode_images(vae, stacked[i : i + batch_size], model.scaling_factor)
+                    for i in range(0, len(stacked), batch_size)
+                ]
+            )
         with atomic_path(root / source / STAGE / f"{shard}.npy") as tmp, open(tmp, "wb") as f:
             np.save(f, latents)
         stats.num_out = len(keys)

@@ -74,9 +74,16 @@ def run_img2dataset(workdir: Path, kwargs: dict) -> None:
     log = workdir / "img2dataset.log"
     with open(log, "w") as out:
         proc = subprocess.run(
-            [sys.executable, "-c",
-             "import json, sys; from img2dataset import download; download(**json.load(sys.stdin))"],
-            input=json.dumps(kwargs), text=True, stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-c",
+                "import json, sys; from img2dataset import download; "
+                "download(**json.load(sys.stdin))",
+            ],
+            input=json.dumps(kwargs),
+            text=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     if proc.returncode != 0:
         tail = log.read_text().strip().splitlines()[-5:]
@@ -103,28 +110,33 @@ def fetch_images_shard(
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-") as tmp:
             tmp = Path(tmp)
             pq.write_table(
-                table.select(["url", "caption", "key"]).rename_columns(["url", "caption", KEY_COLUMN]),
+                table.select(["url", "caption", "key"]).rename_columns(
+                    ["url", "caption", KEY_COLUMN]
+                ),
                 tmp / "input.parquet",
             )
-            run_img2dataset(tmp, dict(
-                url_list=str(tmp / "input.parquet"),
-                input_format="parquet",
-                url_col="url",
-                caption_col="caption",
-                save_additional_columns=[KEY_COLUMN],
-                output_folder=str(tmp / "out"),
-                output_format="webdataset",
-                image_size=image_size,
-                resize_mode="center_crop",
-                min_image_size=min_side,
-                processes_count=1,
-                thread_count=thread_count,
-                number_sample_per_shard=max(table.num_rows, 1),
-                retries=retries,
-                timeout=timeout,
-                compute_hash="sha256",
-                enable_wandb=False,
-            ))
+            run_img2dataset(
+                tmp,
+                dict(
+                    url_list=str(tmp / "input.parquet"),
+                    input_format="parquet",
+                    url_col="url",
+                    caption_col="caption",
+                    save_additional_columns=[KEY_COLUMN],
+                    output_folder=str(tmp / "out"),
+                    output_format="webdataset",
+                    image_size=image_size,
+                    resize_mode="center_crop",
+                    min_image_size=min_side,
+                    processes_count=1,
+                    thread_count=thread_count,
+                    number_sample_per_shard=max(table.num_rows, 1),
+                    retries=retries,
+                    timeout=timeout,
+                    compute_hash="sha256",
+                    enable_wandb=False,
+                ),
+            )
             status = pq.read_table(tmp / "out" / "00000.parquet")
             img2dataset_keys = dict(
                 zip(status["key"].to_pylist(), status[KEY_COLUMN].to_pylist(), strict=True)
@@ -138,8 +150,11 @@ def fetch_images_shard(
             if s != "success":
                 stats.drop(s)
         stats.num_out = stats.num_in - sum(stats.dropped.values())
-        failed = [u for u, s in zip(samples["url"].to_pylist(), samples["status"].to_pylist(),
-                                    strict=True) if s != "success"]
+        failed = [
+            u
+            for u, s in zip(samples["url"].to_pylist(), samples["status"].to_pylist(), strict=True)
+            if s != "success"
+        ]
         stats.extra = {"failed_urls": failed}
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,18 +166,26 @@ def _sample_table(filtered: pa.Table, status: pa.Table, source: str) -> pa.Table
     by_key = {
         k: (s, e, w, h, sha)
         for k, s, e, w, h, sha in zip(
-            status[KEY_COLUMN].to_pylist(), status["status"].to_pylist(),
-            status["error_message"].to_pylist(), status["original_width"].to_pylist(),
-            status["original_height"].to_pylist(), status["sha256"].to_pylist(), strict=True,
+            status[KEY_COLUMN].to_pylist(),
+            status["status"].to_pylist(),
+            status["error_message"].to_pylist(),
+            status["original_width"].to_pylist(),
+            status["original_height"].to_pylist(),
+            status["sha256"].to_pylist(),
+            strict=True,
         )
     }
     keys = filtered["key"].to_pylist()
     fetched = [by_key[k] for k in keys]
     statuses = ["success" if f[0] == "success" else drop_reason(f[1]) for f in fetched]
-    out = filtered.drop_columns([c for c in ("width", "height", "source") if c in filtered.column_names])
-    return out.append_column("source", pa.array([source] * len(keys), pa.string())) \
-        .append_column("width", pa.array([f[2] for f in fetched], pa.int64())) \
-        .append_column("height", pa.array([f[3] for f in fetched], pa.int64())) \
-        .append_column("sha256", pa.array([f[4] for f in fetched], pa.string())) \
-        .append_column("status", pa.array(statuses, pa.string())) \
+    out = filtered.drop_columns(
+        [c for c in ("width", "height", "source") if c in filtered.column_names]
+    )
+    return (
+        out.append_column("source", pa.array([source] * len(keys), pa.string()))
+        .append_column("width", pa.array([f[2] for f in fetched], pa.int64()))
+        .append_column("height", pa.array([f[3] for f in fetched], pa.int64()))
+        .append_column("sha256", pa.array([f[4] for f in fetched], pa.string()))
+        .append_column("status", pa.array(statuses, pa.string()))
         .append_column("error_message", pa.array([f[1] for f in fetched], pa.string()))
+    )

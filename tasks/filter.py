@@ -28,9 +28,7 @@ def rules(profile: FilterProfile, *, has_sizes: bool = True) -> list[tuple[str, 
     """
     out = [("missing_url", "url IS NULL OR trim(url) = ''")] if has_sizes else []
     if profile.min_side:
-        out.append(
-            ("too_small", f"coalesce(least(width, height) < {profile.min_side}, false)")
-        )
+        out.append(("too_small", f"coalesce(least(width, height) < {profile.min_side}, false)"))
     for column, op, value in (
         ("aesthetic", "<", profile.min_aesthetic),
         ("similarity", "<", profile.min_similarity),
@@ -44,7 +42,9 @@ def rules(profile: FilterProfile, *, has_sizes: bool = True) -> list[tuple[str, 
 
 def reason_sql(profile: FilterProfile, dedup: tuple[str, ...], *, has_sizes: bool = True) -> str:
     """A query over a relation `rows` adding a `reason` column (NULL = kept)."""
-    cases = "\n".join(f"    WHEN {cond} THEN '{reason}'" for reason, cond in rules(profile, has_sizes=has_sizes))
+    cases = "\n".join(
+        f"    WHEN {cond} THEN '{reason}'" for reason, cond in rules(profile, has_sizes=has_sizes)
+    )
     sql = f"""
 WITH ruled AS (
   SELECT *, CASE
@@ -91,7 +91,9 @@ def _apply(con: duckdb.DuckDBPyConnection, sql: str, stats: ShardStats) -> pa.Ta
     return kept
 
 
-def filter_metadata(root: Path, source: str, profile: FilterProfile, samples_per_shard: int) -> ShardStats:
+def filter_metadata(
+    root: Path, source: str, profile: FilterProfile, samples_per_shard: int
+) -> ShardStats:
     """Metadata rules + URL dedup over `metadata/*.parquet`; writes `filtered/NNNNN.parquet`."""
     out_dir = root / source / "filtered"
 
@@ -101,8 +103,10 @@ def filter_metadata(root: Path, source: str, profile: FilterProfile, samples_per
         con.sql(f"CREATE VIEW rows AS SELECT * FROM read_parquet({files!r}, union_by_name=true)")
         dedup = tuple(c for c in profile.dedup if c == "url")
         kept = _apply(con, reason_sql(profile, dedup), stats)
-        stats.extra = {"num_shards": _write_shards(kept, out_dir, samples_per_shard),
-                       "profile": profile.name}
+        stats.extra = {
+            "num_shards": _write_shards(kept, out_dir, samples_per_shard),
+            "profile": profile.name,
+        }
 
     return run_shard(root, source, "filtered", ALL, work)
 

@@ -35,13 +35,15 @@ def encoded_samples(root: Path, source: str) -> pa.Table:
         latent_rows += list(range(n))
         token_rows += s.extra["token_rows"]
         keys += s.extra["keys"]
-    return pa.table({
-        "source": pa.array([source] * len(keys), pa.string()),
-        "shard": pa.array(shards, pa.string()),
-        "latent_row": pa.array(latent_rows, pa.int64()),
-        "token_row": pa.array(token_rows, pa.int64()),
-        "key": pa.array(keys, pa.string()),
-    })
+    return pa.table(
+        {
+            "source": pa.array([source] * len(keys), pa.string()),
+            "shard": pa.array(shards, pa.string()),
+            "latent_row": pa.array(latent_rows, pa.int64()),
+            "token_row": pa.array(token_rows, pa.int64()),
+            "key": pa.array(keys, pa.string()),
+        }
+    )
 
 
 def dataset_view(root: Path, catalog: Catalog, dataset: str) -> pa.Table:
@@ -73,8 +75,14 @@ def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
         take = min(requested, view.num_rows)
         chosen = np.sort(rng.permutation(view.num_rows)[:take])
         parts.append(view.take(pa.array(chosen, pa.int64())))
-        report.append({"dataset": entry.dataset, "requested": requested,
-                       "available": view.num_rows, "taken": take})
+        report.append(
+            {
+                "dataset": entry.dataset,
+                "requested": requested,
+                "available": view.num_rows,
+                "taken": take,
+            }
+        )
     manifest = pa.concat_tables(parts)
     if manifest.num_rows == 0:
         names = ", ".join(e.dataset for e in phase.mix)
@@ -89,17 +97,25 @@ def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
     tmp = phases_dir / f".{phase.name}{TMP_MARK}{os.getpid()}"
     (tmp / "latents").mkdir(parents=True)
     (tmp / "tokens").mkdir()
-    pairs = {(s, sh) for s, sh in zip(manifest["source"].to_pylist(),
-                                      manifest["shard"].to_pylist(), strict=True)}
+    pairs = {
+        (s, sh)
+        for s, sh in zip(manifest["source"].to_pylist(), manifest["shard"].to_pylist(), strict=True)
+    }
     for source, shard in sorted(pairs):
         # Relative links keep the data root movable.
         (tmp / "latents" / f"{source}-{shard}.npy").symlink_to(
-            Path("../../..") / source / "latents" / f"{shard}.npy")
+            Path("../../..") / source / "latents" / f"{shard}.npy"
+        )
         (tmp / "tokens" / f"{source}-{shard}.parquet").symlink_to(
-            Path("../../..") / source / "tokens" / f"{shard}.parquet")
+            Path("../../..") / source / "tokens" / f"{shard}.parquet"
+        )
     pq.write_table(manifest, tmp / "manifest.parquet")
-    summary = {"phase": phase.name, "seed": phase.seed, "num_samples": manifest.num_rows,
-               "datasets": report}
+    summary = {
+        "phase": phase.name,
+        "seed": phase.seed,
+        "num_samples": manifest.num_rows,
+        "datasets": report,
+    }
     (tmp / "mix.json").write_text(json.dumps(summary, indent=1))
     if final.exists():
         old = phases_dir / f".{phase.name}.old{TMP_MARK}{os.getpid()}"

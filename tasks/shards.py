@@ -66,8 +66,7 @@ def clean_temporaries(directory: Path, name: str = "") -> int:
     """
     if not directory.is_dir():
         return 0
-    stale = [p for p in directory.iterdir()
-             if p.name.startswith(f".{name}") and TMP_MARK in p.name]
+    stale = [p for p in directory.iterdir() if p.name.startswith(f".{name}") and TMP_MARK in p.name]
     for p in stale:
         if p.is_dir():
             shutil.rmtree(p)

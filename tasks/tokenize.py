@@ -19,12 +19,18 @@ STAGE = "tokens"
 
 
 def tokens_table(keys: list[str], captions: list[str]) -> pa.Table:
-    ids = tokenize(captions).numpy().astype(np.int32) if captions else np.zeros((0, MAX_TOKENS), np.int32)
+    ids = (
+        tokenize(captions).numpy().astype(np.int32)
+        if captions
+        else np.zeros((0, MAX_TOKENS), np.int32)
+    )
     flat = pa.array(ids.reshape(-1), pa.int32())
-    return pa.table({
-        "key": pa.array(keys, pa.string()),
-        "input_ids": pa.FixedSizeListArray.from_arrays(flat, MAX_TOKENS),
-    })
+    return pa.table(
+        {
+            "key": pa.array(keys, pa.string()),
+            "input_ids": pa.FixedSizeListArray.from_arrays(flat, MAX_TOKENS),
+        }
+    )
 
 
 def tokenize_shard(root: Path, source: str, shard: str) -> ShardStats:
@@ -34,7 +40,9 @@ def tokenize_shard(root: Path, source: str, shard: str) -> ShardStats:
         table = pq.read_table(selected)
         stats.num_in = table.num_rows
         keys, captions = [], []
-        for key, caption in zip(table["key"].to_pylist(), table["caption"].to_pylist(), strict=True):
+        for key, caption in zip(
+            table["key"].to_pylist(), table["caption"].to_pylist(), strict=True
+        ):
             if caption is None or not caption.strip():
                 stats.drop("empty_caption")
                 continue

@@ -18,37 +18,54 @@ def catalog():
     return load_catalog(PACKAGED_DIR)
 
 
+SOURCES = ["laion", "diffusiondb", "journeydb", "vggface2", "coco", "local", "demo"]
+
+# The recipe (seed 003): phase -> (dataset counts, peak lr, warmup steps, cfg dropout).
+RECIPE = {
+    "phase-1": ({"laion-broad": 1_315_411}, 1e-5, 500, 0.05),
+    "phase-2": ({"laion-hq": 213_458}, 1e-5, 500, 0.05),
+    "phase-3": ({"diffusiondb": 205_000, "journeydb": 277_000}, 1e-5, 500, 0.05),
+    "phase-4": ({"vggface2": 51_786}, 2e-6, 200, 0.15),
+    "phase-5": ({"coco-people": 59_494}, 1.5e-6, 150, 0.15),
+    "phase-6": ({"laion-hq": 150_000, "vggface2": 50_000, "coco-people": 58_000}, 1e-6, 100, 0.15),
+    "phase-7": (
+        {
+            "laion-hq": 213_000,
+            "diffusiondb": 106_000,
+            "journeydb": 144_000,
+            "vggface2": 51_000,
+            "coco-people": 58_000,
+        },
+        1e-6,
+        150,
+        0.15,
+    ),
+}
+
+
 def test_shipped_catalog_has_every_source_and_phase(catalog):
-    assert set(catalog.sources) == {
-        "laion", "diffusiondb", "journeydb", "vggface2", "coco", "local", "demo"
-    }
-    assert set(catalog.phases) == {f"phase-{n}" for n in range(1, 8)} | {"demo"}
+    assert sorted(catalog.sources) == sorted(SOURCES)
+    assert sorted(catalog.phases) == sorted([*RECIPE, "demo"])
 
 
-def counts(phase) -> dict[str, int]:
-    return {m.dataset: m.count for m in phase.mix}
+@pytest.mark.parametrize("name", list(RECIPE))
+def test_phase_is_the_recipe(catalog, name):
+    counts, lr, warmup_steps, cfg_dropout = RECIPE[name]
+    phase = catalog.phase(name)
+    assert {m.dataset: m.count for m in phase.mix} == counts
+    assert (phase.lr, phase.warmup_steps, phase.cfg_dropout) == (lr, warmup_steps, cfg_dropout)
+    assert phase.min_snr_gamma == 5.0
+    assert phase.model == "sd15"
 
 
-def test_phase_1_is_the_recipe(catalog):
-    p = catalog.phase("phase-1")
-    assert counts(p) == {"laion-broad": 1_315_411}
-    assert (p.lr, p.warmup_steps, p.epochs, p.cfg_dropout, p.min_snr_gamma) == (
-        1e-5, 500, 10, 0.05, 5.0
-    )
-    assert p.init_from is None
+def test_phase_1_trains_ten_epochs_from_scratch(catalog):
+    phase = catalog.phase("phase-1")
+    assert phase.epochs == 10
+    assert phase.init_from is None
 
 
-def test_phase_6_is_the_recipe(catalog):
-    p = catalog.phase("phase-6")
-    assert counts(p) == {"laion-hq": 150_000, "vggface2": 50_000, "coco-people": 58_000}
-    assert (p.lr, p.warmup_steps) == (1e-6, 100)
-
-
-def test_phase_7_is_the_recipe(catalog):
-    p = catalog.phase("phase-7")
-    assert (p.lr, p.warmup_steps) == (1e-6, 150)
-    assert counts(p)["laion-hq"] == 213_000
-    assert sum(counts(p).values()) == 572_000
+def test_phase_7_totals_572k(catalog):
+    assert sum(m.count for m in catalog.phase("phase-7").mix) == 572_000
 
 
 @pytest.mark.parametrize("n", range(2, 8))
@@ -125,8 +142,12 @@ def test_wrong_type_names_file_field_and_value(catalog_copy):
 
 
 def test_unknown_field_names_file_field_and_allowed_fields(catalog_copy):
-    edit_entry(catalog_copy / "phases.yaml", "phase-3", "  lr: 1.0e-5\n",
-               "  learning_rate: 1.0e-5\n  lr: 1.0e-5\n")
+    edit_entry(
+        catalog_copy / "phases.yaml",
+        "phase-3",
+        "  lr: 1.0e-5\n",
+        "  learning_rate: 1.0e-5\n  lr: 1.0e-5\n",
+    )
     message = catalog_error(catalog_copy)
     assert "phases.yaml" in message
     assert "phase-3.learning_rate" in message
@@ -158,8 +179,9 @@ def test_dataset_naming_an_unknown_source(catalog_copy):
 
 
 def test_phase_naming_an_unknown_dataset(catalog_copy):
-    edit_entry(catalog_copy / "phases.yaml", "phase-4", "{dataset: vggface2,",
-               "{dataset: vgg-face2,")
+    edit_entry(
+        catalog_copy / "phases.yaml", "phase-4", "{dataset: vggface2,", "{dataset: vgg-face2,"
+    )
     message = catalog_error(catalog_copy)
     assert "phases.yaml" in message
     assert "phase-4.mix[0].dataset" in message
@@ -167,8 +189,9 @@ def test_phase_naming_an_unknown_dataset(catalog_copy):
 
 
 def test_out_of_range_value_names_file_field_and_value(catalog_copy):
-    edit_entry(catalog_copy / "phases.yaml", "phase-4", "  cfg_dropout: 0.15\n",
-               "  cfg_dropout: 1.5\n")
+    edit_entry(
+        catalog_copy / "phases.yaml", "phase-4", "  cfg_dropout: 0.15\n", "  cfg_dropout: 1.5\n"
+    )
     message = catalog_error(catalog_copy)
     assert "phases.yaml" in message
     assert "phase-4.cfg_dropout" in message

@@ -91,14 +91,20 @@ def images() -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def reference_latents(images, tiny, reference_vae) -> dict[str, np.ndarray]:
-    return {key: reference_latent(reference_vae, data, tiny.resolution)
-            for key, data in images.items()}
+    return {
+        key: reference_latent(reference_vae, data, tiny.resolution) for key, data in images.items()
+    }
 
 
 def assert_close_to_reference(latent: np.ndarray, reference: np.ndarray, key: str = "") -> None:
     # fp16 storage: equal within 1% of the latents' spread.
-    np.testing.assert_allclose(latent.astype(np.float32), reference, rtol=0,
-                               atol=1e-2 * float(reference.std()), err_msg=key)
+    np.testing.assert_allclose(
+        latent.astype(np.float32),
+        reference,
+        rtol=0,
+        atol=1e-2 * float(reference.std()),
+        err_msg=key,
+    )
 
 
 @pytest.mark.parametrize("key", list(IMAGES))
@@ -131,15 +137,22 @@ def write_shard(root: Path, members: dict[str, bytes], token_keys: list[str]) ->
     with tarfile.open(shards / f"{SHARD}.tar", "w") as tar:
         for key, data in members.items():
             ext = "png" if data.startswith(b"\x89PNG") else "jpg"
-            for name, payload in ((f"{key}.{ext}", data), (f"{key}.txt", b"a caption"),
-                                  (f"{key}.json", json.dumps({"key": key}).encode())):
+            for name, payload in (
+                (f"{key}.{ext}", data),
+                (f"{key}.txt", b"a caption"),
+                (f"{key}.json", json.dumps({"key": key}).encode()),
+            ):
                 info = tarfile.TarInfo(name)
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))
     (root / SOURCE / "tokens").mkdir(parents=True)
     pq.write_table(
-        pa.table({"key": token_keys,
-                  "input_ids": pa.array([[0] * 77] * len(token_keys), pa.list_(pa.int32(), 77))}),
+        pa.table(
+            {
+                "key": token_keys,
+                "input_ids": pa.array([[0] * 77] * len(token_keys), pa.list_(pa.int32(), 77)),
+            }
+        ),
         root / SOURCE / "tokens" / f"{SHARD}.parquet",
     )
 
@@ -151,8 +164,18 @@ def test_encode_shard_rows_follow_keys_and_bad_images_are_dropped(
     members["broken"] = b"<html>this is an error page, not a JPEG</html>\n" * 20
     members["truncated"] = images["wide"][:200]
     # Token order differs from the tar's, and one token key has no image in the tar.
-    token_keys = ["tall", "broken", "wide", "gone", "small", "truncated", "exact", "gray",
-                  "alpha", "panorama"]
+    token_keys = [
+        "tall",
+        "broken",
+        "wide",
+        "gone",
+        "small",
+        "truncated",
+        "exact",
+        "gray",
+        "alpha",
+        "panorama",
+    ]
     write_shard(tmp_path, members, token_keys)
 
     stats = encode.encode_shard(tmp_path, SOURCE, SHARD, tiny, batch_size=3)
@@ -194,8 +217,15 @@ def test_normalize_names_missing_and_found_columns():
 
 
 def test_normalize_renames_upstream_columns_and_assigns_stable_keys():
-    table = pa.table({"URL": ["http://x/a.jpg", "http://x/b.jpg"], "TEXT": ["a", "b"],
-                      "WIDTH": [10, 20], "AESTHETIC_SCORE": [5.0, 6.0], "extra": [1, 2]})
+    table = pa.table(
+        {
+            "URL": ["http://x/a.jpg", "http://x/b.jpg"],
+            "TEXT": ["a", "b"],
+            "WIDTH": [10, 20],
+            "AESTHETIC_SCORE": [5.0, 6.0],
+            "extra": [1, 2],
+        }
+    )
     out = metadata.normalize(table, SOURCE, "00003", "part.parquet")
     assert out.column_names == ["key", "source", "url", "caption", "width", "aesthetic"]
     assert out["key"].to_pylist() == ["000030000000", "000030000001"]

@@ -13,33 +13,59 @@ from catalog import FilterProfile
 from tasks import filter as filter_stage
 
 SOURCE = "src"
-SCHEMA = pa.schema([
-    ("key", pa.string()), ("source", pa.string()), ("url", pa.string()),
-    ("caption", pa.string()), ("width", pa.float64()), ("height", pa.float64()),
-    ("similarity", pa.float64()), ("punsafe", pa.float64()), ("pwatermark", pa.float64()),
-    ("aesthetic", pa.float64()),
-])
-PROFILE = FilterProfile(
-    name="strict", min_aesthetic=6.5, min_similarity=0.28, max_pwatermark=0.5,
-    max_punsafe=0.5, min_side=512, dedup=("url", "sha256"),
+SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("source", pa.string()),
+        ("url", pa.string()),
+        ("caption", pa.string()),
+        ("width", pa.float64()),
+        ("height", pa.float64()),
+        ("similarity", pa.float64()),
+        ("punsafe", pa.float64()),
+        ("pwatermark", pa.float64()),
+        ("aesthetic", pa.float64()),
+    ]
 )
-GOOD = {"width": 800.0, "height": 600.0, "similarity": 0.3, "punsafe": 0.1,
-        "pwatermark": 0.1, "aesthetic": 7.0}
+PROFILE = FilterProfile(
+    name="strict",
+    min_aesthetic=6.5,
+    min_similarity=0.28,
+    max_pwatermark=0.5,
+    max_punsafe=0.5,
+    min_side=512,
+    dedup=("url", "sha256"),
+)
+GOOD = {
+    "width": 800.0,
+    "height": 600.0,
+    "similarity": 0.3,
+    "punsafe": 0.1,
+    "pwatermark": 0.1,
+    "aesthetic": 7.0,
+}
 
 
 def row(key: str, url: str | None = None, **overrides) -> dict:
-    fields = {"key": key, "source": SOURCE, "url": f"http://x/{key}.jpg" if url is None else url,
-              "caption": f"caption {key}", **GOOD}
+    fields = {
+        "key": key,
+        "source": SOURCE,
+        "url": f"http://x/{key}.jpg" if url is None else url,
+        "caption": f"caption {key}",
+        **GOOD,
+    }
     fields.update(overrides)
     return fields
 
 
-def run_filter(root: Path, rows: list[dict], profile: FilterProfile = PROFILE,
-               samples_per_shard: int = 100):
+def run_filter(
+    root: Path, rows: list[dict], profile: FilterProfile = PROFILE, samples_per_shard: int = 100
+):
     """Write `rows` as the source's metadata, filter it; returns (stats, kept rows in order)."""
     (root / SOURCE / "metadata").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA),
-                   root / SOURCE / "metadata" / "00000.parquet")
+    pq.write_table(
+        pa.Table.from_pylist(rows, schema=SCHEMA), root / SOURCE / "metadata" / "00000.parquet"
+    )
     stats = filter_stage.filter_metadata(root, SOURCE, profile, samples_per_shard)
     shards = sorted((root / SOURCE / "filtered").glob("[0-9]*.parquet"))
     kept = [r for path in shards for r in pq.read_table(path).to_pylist()]
@@ -62,8 +88,14 @@ def test_profile_keeps_exactly_the_rows_that_pass(tmp_path):
     ]
     stats, kept = run_filter(tmp_path, rows)
     assert [r["key"] for r in kept] == ["a", "b", "i"]
-    assert stats.dropped == {"aesthetic": 1, "similarity": 1, "pwatermark": 1, "punsafe": 1,
-                             "too_small": 2, "missing_url": 2}
+    assert stats.dropped == {
+        "aesthetic": 1,
+        "similarity": 1,
+        "pwatermark": 1,
+        "punsafe": 1,
+        "too_small": 2,
+        "missing_url": 2,
+    }
     assert (stats.num_in, stats.num_out) == (len(rows), 3)
 
 
@@ -96,8 +128,12 @@ def test_known_small_side_drops_even_when_the_other_is_missing(tmp_path):
 
 
 def test_duplicate_urls_keep_the_smallest_key(tmp_path):
-    rows = [row("c", url="http://x/same.jpg"), row("a", url="http://x/same.jpg"),
-            row("b", url="http://x/same.jpg"), row("d")]
+    rows = [
+        row("c", url="http://x/same.jpg"),
+        row("a", url="http://x/same.jpg"),
+        row("b", url="http://x/same.jpg"),
+        row("d"),
+    ]
     stats, kept = run_filter(tmp_path, rows)
     assert [r["key"] for r in kept] == ["a", "d"]
     assert stats.dropped == {"duplicate_url": 2}
@@ -105,8 +141,11 @@ def test_duplicate_urls_keep_the_smallest_key(tmp_path):
 
 def test_duplicate_is_judged_among_rows_that_pass_every_other_rule(tmp_path):
     # The smallest key fails a score rule, so the next copy is the one that survives.
-    rows = [row("a", url="http://x/same.jpg", aesthetic=1.0), row("b", url="http://x/same.jpg"),
-            row("c", url="http://x/same.jpg")]
+    rows = [
+        row("a", url="http://x/same.jpg", aesthetic=1.0),
+        row("b", url="http://x/same.jpg"),
+        row("c", url="http://x/same.jpg"),
+    ]
     stats, kept = run_filter(tmp_path, rows)
     assert [r["key"] for r in kept] == ["b"]
     assert stats.dropped == {"aesthetic": 1, "duplicate_url": 1}
@@ -125,8 +164,14 @@ def test_each_dropped_row_is_counted_once_under_its_first_failing_rule(tmp_path)
     ]
     stats, kept = run_filter(tmp_path, rows)
     assert kept == []
-    assert stats.dropped == {"missing_url": 1, "too_small": 1, "aesthetic": 1, "similarity": 1,
-                             "pwatermark": 1, "punsafe": 1}
+    assert stats.dropped == {
+        "missing_url": 1,
+        "too_small": 1,
+        "aesthetic": 1,
+        "similarity": 1,
+        "pwatermark": 1,
+        "punsafe": 1,
+    }
 
 
 def test_disabled_rules_drop_nothing(tmp_path):
@@ -169,6 +214,9 @@ def test_rerun_is_skipped_and_keeps_the_output(tmp_path):
     mtime = shard.stat().st_mtime_ns
     again = filter_stage.filter_metadata(tmp_path, SOURCE, PROFILE, 100)
     assert again.skipped
-    assert (again.num_in, again.num_out, again.dropped) == (first.num_in, first.num_out,
-                                                             first.dropped)
+    assert (again.num_in, again.num_out, again.dropped) == (
+        first.num_in,
+        first.num_out,
+        first.dropped,
+    )
     assert shard.stat().st_mtime_ns == mtime

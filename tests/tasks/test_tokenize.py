@@ -39,15 +39,37 @@ SPECIAL_CASES = [
     "🐱" * 120,
     " ".join(str(i) for i in range(200)),
 ]
-WORDS = ["a", "photo", "of", "the", "red", "circle", "über", "naïve", "東京", "🚀", "cat's",
-         "sunset,", "4k", "HDR", "portrait", "by", "artist", "—", "ñandú", "(detailed)"]
+WORDS = [
+    "a",
+    "photo",
+    "of",
+    "the",
+    "red",
+    "circle",
+    "über",
+    "naïve",
+    "東京",
+    "🚀",
+    "cat's",
+    "sunset,",
+    "4k",
+    "HDR",
+    "portrait",
+    "by",
+    "artist",
+    "—",
+    "ñandú",
+    "(detailed)",
+]
 
 
 def captions() -> list[str]:
     """~200 captions: the special cases above plus seeded random mixes of WORDS."""
     rng = np.random.default_rng(0)
-    mixed = [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 90))))
-             for _ in range(200 - len(SPECIAL_CASES))]
+    mixed = [
+        " ".join(rng.choice(WORDS, size=int(rng.integers(1, 90))))
+        for _ in range(200 - len(SPECIAL_CASES))
+    ]
     return SPECIAL_CASES + mixed
 
 
@@ -62,8 +84,9 @@ def reference_tokenizer() -> CLIPTokenizer:
     rename = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
     vocab = {rename.get(token, token): i for token, i in clip.encoder.items()}
     merges = [pair for pair, _ in sorted(clip.bpe_ranks.items(), key=lambda kv: kv[1])]
-    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>",
-                         model_max_length=LENGTH)
+    return CLIPTokenizer(
+        vocab=vocab, merges=merges, pad_token="<|endoftext|>", model_max_length=LENGTH
+    )
 
 
 def ids_of(captions: list[str]) -> np.ndarray:
@@ -74,8 +97,9 @@ def ids_of(captions: list[str]) -> np.ndarray:
 def test_ids_equal_sd1_clip_tokenizer(reference_tokenizer):
     texts = captions()
     ids = ids_of(texts)
-    expected = reference_tokenizer(texts, padding="max_length", truncation=True,
-                                   max_length=LENGTH)["input_ids"]
+    expected = reference_tokenizer(texts, padding="max_length", truncation=True, max_length=LENGTH)[
+        "input_ids"
+    ]
     assert ids.shape == (len(texts), LENGTH)
     for text, got, want in zip(texts, ids, expected, strict=True):
         assert got.tolist() == want, text
@@ -118,8 +142,15 @@ def test_ids_equal_open_clip_up_to_the_first_eos():
 
 def test_tokenize_shard_drops_empty_captions_and_keeps_order(tmp_path):
     source = "src"
-    rows = [("k0", "a cat"), ("k1", None), ("k2", "   "), ("k3", "  a dog \n"), ("k4", ""),
-            ("k5", "\t\n"), ("k6", "日本語 🐱")]
+    rows = [
+        ("k0", "a cat"),
+        ("k1", None),
+        ("k2", "   "),
+        ("k3", "  a dog \n"),
+        ("k4", ""),
+        ("k5", "\t\n"),
+        ("k6", "日本語 🐱"),
+    ]
     (tmp_path / source / "selected").mkdir(parents=True)
     pq.write_table(
         pa.table({"key": [k for k, _ in rows], "caption": [c for _, c in rows]}),
@@ -137,9 +168,10 @@ def test_tokenize_shard_drops_empty_captions_and_keeps_order(tmp_path):
 
 def test_tokenize_shard_with_no_captions_writes_an_empty_table(tmp_path):
     (tmp_path / "src" / "selected").mkdir(parents=True)
-    pq.write_table(pa.table({"key": pa.array([], pa.string()),
-                             "caption": pa.array([], pa.string())}),
-                   tmp_path / "src" / "selected" / "00000.parquet")
+    pq.write_table(
+        pa.table({"key": pa.array([], pa.string()), "caption": pa.array([], pa.string())}),
+        tmp_path / "src" / "selected" / "00000.parquet",
+    )
     stats = tokenize_shard(tmp_path, "src", "00000")
     table = pq.read_table(tmp_path / "src" / "tokens" / "00000.parquet")
     assert (stats.num_in, stats.num_out, table.num_rows) == (0, 0, 0)
