@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from catalog.schema import Dataset, FilterProfile, Model, Phase, Source
+from catalog.schema import Dataset, FilterProfile, Model, Phase, ScoringModel, Source
 
 PACKAGED_DIR = Path(__file__).parent
 FILES = {
@@ -29,6 +29,29 @@ FILES = {
     "models": ("models.yaml", Model),
 }
 
+
+# Lower bounds of the optional training settings of a phase (null: the trainer's default).
+PHASE_MINIMUMS = {
+    "max_steps": 1,
+    "offset_noise": 0,
+    "ema_every": 1,
+    "num_val_samples": 0,
+    "checkpoint_every": 0,
+    "keep_every": 0,
+    "validate_every": 0,
+    "log_every": 1,
+    "sample_every": 0,
+}
+
+# Dedup levels a profile may list, in the order they are judged.
+DEDUP_LEVELS = ("url", "sha256", "phash", "semantic")
+# The range a score threshold must lie in (the range of the score itself).
+SCORE_RANGES = {
+    "min_aesthetic": (0.0, 10.0),
+    "min_similarity": (-1.0, 1.0),
+    "max_pwatermark": (0.0, 1.0),
+    "max_punsafe": (0.0, 1.0),
+}
 
 FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -45,6 +68,7 @@ class Catalog:
     phases: dict[str, Phase]
     models: dict[str, Model]
     directory: Path
+    scorers: dict[str, ScoringModel] = dataclasses.field(default_factory=dict)
 
     def source(self, name: str) -> Source:
         return self._lookup("sources", "source", name)
@@ -62,6 +86,14 @@ class Catalog:
 
     def model(self, name: str) -> Model:
         return self._lookup("models", "model", name)
+
+    def scorer(self, name: str) -> ScoringModel:
+        if name not in self.scorers:
+            raise CatalogError(
+                f"{self.directory / FILES['models'][0]}: unknown scoring model {name!r}; "
+                f"the catalog has: {', '.join(sorted(self.scorers))}"
+            )
+        return self.scorers[name]
 
     def _lookup(self, kind: str, what: str, name: str):
         entries = getattr(self, kind)
@@ -95,6 +127,11 @@ def load_catalog(directory: str | Path | None = None) -> Catalog:
             ) from None
         if not isinstance(raw, dict):
             raise CatalogError(f"{path}: expected a mapping of {kind} names to fields")
+        if kind == "models":  # scoring models share the file, marked `kind: scoring`
+            scoring = {n for n, f in raw.items() if isinstance(f, dict) and "kind" in f}
+            loaded["scorers"] = {
+                str(n): _build(ScoringModel, raw.pop(n), path, str(n)) for n in sorted(scoring)
+            }
         loaded[kind] = {
             str(name): _build(cls, fields, path, str(name)) for name, fields in raw.items()
         }
@@ -222,6 +259,22 @@ def _check_references(c: Catalog) -> None:
             )
         if s.model not in c.models:
             raise CatalogError(f"{d / 'sources.yaml'}: {s.name}.model: unknown model {s.model!r}")
+    for pr in c.profiles.values():
+        _check_profile(pr, d / "profiles.yaml")
+        if pr.scorer and pr.scorer not in c.scorers:
+            raise CatalogError(
+                f"{d / 'profiles.yaml'}: {pr.name}.scorer: unknown scoring model {pr.scorer!r} "
+                f"(models.yaml entries with kind: scoring: {', '.join(sorted(c.scorers))})"
+            )
+    for sc in c.scorers.values():
+        if sc.random_weights:
+            continue
+        for net in ("embed", "similarity", "aesthetic", "nsfw", "watermark"):
+            if not getattr(sc, f"{net}_weights"):
+                raise CatalogError(
+                    f"{d / 'models.yaml'}: {sc.name}.{net}_weights: required unless "
+                    "random_weights is true"
+                )
     for ds in c.datasets.values():
         if ds.source not in c.sources:
             raise CatalogError(
@@ -252,6 +305,10 @@ def _check_references(c: Catalog) -> None:
         for fld in ("warmup_steps", "epochs", "batch_size", "grad_accum"):
             if getattr(p, fld) < (0 if fld == "warmup_steps" else 1):
                 raise CatalogError(f"{where}.{fld}: out of range, got {getattr(p, fld)!r}")
+        for fld, low in PHASE_MINIMUMS.items():
+            value = getattr(p, fld)
+            if value is not None and value < low:
+                raise CatalogError(f"{where}.{fld}: must be >= {low}, got {value!r}")
     for m in c.models.values():
         where = f"{d / 'models.yaml'}: {m.name}"
         for net in ("unet", "vae", "text"):
@@ -259,3 +316,31 @@ def _check_references(c: Catalog) -> None:
                 raise CatalogError(f"{where}.{net}_config: give {net}_config or {net}_pretrained")
         if m.resolution % 8:
             raise CatalogError(f"{where}.resolution: must be a multiple of 8, got {m.resolution}")
+
+
+def _check_profile(pr: FilterProfile, path: Path) -> None:
+    where = f"{path}: {pr.name}"
+    for level in pr.dedup:
+        if level not in DEDUP_LEVELS:
+            raise CatalogError(
+                f"{where}.dedup: unknown level {level!r} (allowed: {', '.join(DEDUP_LEVELS)})"
+            )
+    for fld, (low, high) in SCORE_RANGES.items():
+        value = getattr(pr, fld)
+        if value is not None and not low <= value <= high:
+            raise CatalogError(f"{where}.{fld}: must be within [{low}, {high}], got {value!r}")
+    for fld in ("min_values", "max_values"):
+        for column, value in getattr(pr, fld).items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise CatalogError(f"{where}.{fld}.{column}: expected a number, got {value!r}")
+    if not 0 <= pr.phash_distance <= 31:
+        raise CatalogError(
+            f"{where}.phash_distance: must be within [0, 31], got {pr.phash_distance!r}"
+        )
+    if not 0 < pr.semantic_threshold <= 1:
+        raise CatalogError(
+            f"{where}.semantic_threshold: must be within (0, 1], got {pr.semantic_threshold!r}"
+        )
+    for fld in ("min_side", "min_caption_words"):
+        if getattr(pr, fld) < 0:
+            raise CatalogError(f"{where}.{fld}: must be >= 0, got {getattr(pr, fld)!r}")

@@ -35,7 +35,12 @@ class Source:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class FilterProfile:
-    """Thresholds a sample must meet. None disables a rule."""
+    """What a sample must meet to be kept. None (or empty) disables a rule.
+
+    Score thresholds apply to the metadata's scores or, where the metadata has none, to those
+    the score stage computed from the pixels. Duplicates are judged among the rows that pass
+    every other rule, level by level in the order url, sha256, phash, semantic.
+    """
 
     name: str
     min_aesthetic: float | None = None
@@ -43,7 +48,17 @@ class FilterProfile:
     max_pwatermark: float | None = None
     max_punsafe: float | None = None
     min_side: int = 0
-    dedup: tuple[str, ...] = ("url", "sha256")
+    min_caption_words: int = 0
+    caption_blocklist: tuple[str, ...] = ()  # words or phrases, whole-word, any case
+    url_blocklist: tuple[str, ...] = ()  # domains, their subdomains included
+    min_values: dict = field(default_factory=dict)  # any other numeric column -> its minimum
+    max_values: dict = field(default_factory=dict)  # any other numeric column -> its maximum
+    dedup: tuple[str, ...] = ("url", "sha256")  # of: url, sha256, phash, semantic
+    phash_distance: int = 4  # near duplicates: pHash Hamming distance <= this
+    semantic_threshold: float = 0.95  # semantic duplicates: embedding cosine >= this
+    # Scoring models (models.yaml, kind: scoring) that score a source built at this profile
+    # from its pixels, in a score stage after fetch-images; "": the source is not scored.
+    scorer: str = ""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -84,6 +99,21 @@ class Phase:
     grad_accum: int = 1
     seed: int = 0
     sample_prompts: tuple[str, ...] = ()  # prompts of the sample grids; empty: the trainer's
+    # Training settings a phase may change; null keeps the base run config's value
+    # (`sdtrain.config.TrainConfig`, which documents each).
+    prediction_type: Literal["epsilon", "v_prediction"] | None = None
+    offset_noise: float | None = None
+    ema_every: int | None = None
+    ema_on_cpu: bool | None = None
+    channels_last: bool | None = None
+    gradient_checkpointing: bool | None = None
+    latents_in_ram: bool | None = None
+    num_val_samples: int | None = None  # rows held out of the mix for the validation loss
+    checkpoint_every: int | None = None  # rolling `latest` checkpoint every N steps
+    keep_every: int | None = None  # checkpoints kept forever every N steps
+    validate_every: int | None = None  # validation loss + `best` checkpoint every N steps
+    log_every: int | None = None
+    sample_every: int | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -104,3 +134,32 @@ class Model:
     vae_pretrained: str = ""
     text_config: dict = field(default_factory=dict)
     text_pretrained: str = ""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ScoringModel:
+    """The networks of the score stage, as LAION scored LAION-5B (models.yaml, `kind: scoring`).
+
+    `embed_*`: the open_clip model whose L2-normalized image embedding feeds the aesthetic and
+    NSFW heads and semantic dedup (ViT-L/14); `similarity_*`: the one whose image-caption
+    cosine is `similarity` (ViT-B/32); `watermark_*`: the timm classifier. A network is an
+    architecture name, or a custom open_clip `*_config` (the tiny twins). Weights load from the
+    local `*_weights` files (relative paths: under `SDPIPE_WEIGHTS`, default `./weights`) unless
+    `random_weights` (tests, the demo, benchmarks).
+    """
+
+    name: str
+    kind: Literal["scoring"]
+    random_weights: bool = False
+    embed_model: str = "ViT-L-14-quickgelu"
+    embed_config: dict = field(default_factory=dict)
+    embed_weights: str = ""
+    similarity_model: str = "ViT-B-32-quickgelu"
+    similarity_config: dict = field(default_factory=dict)
+    similarity_weights: str = ""
+    aesthetic_weights: str = ""
+    nsfw_weights: str = ""
+    watermark_model: str = "efficientnet_b3"
+    watermark_weights: str = ""
+    watermark_side: int = 256  # LAION stretches every image to this square
+    batch_size: int = 64

@@ -18,7 +18,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from flows.curriculum import PhaseNotReady
     from flows.demo import DemoFailed
     from flows.local import LocalServerError
+    from sdtrain.checkpoint import CheckpointError
     from sdtrain.models import ModelLoadError
+    from sdtrain.sampling import WeightsNotFound
     from tasks.metadata import SourceError
     from tasks.mix import MixError
 
@@ -28,6 +30,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
         PhaseNotReady,
         MixError,
         ModelLoadError,
+        WeightsNotFound,
+        CheckpointError,
         LocalServerError,
         DemoFailed,
     )
@@ -61,6 +65,52 @@ def _report(state) -> int:
         return 0
     print(f"sdpipe: error: {state.message}", file=sys.stderr)
     return 1
+
+
+def _weights(args: argparse.Namespace) -> Path:
+    if args.weights is not None:
+        return args.weights
+    return data_root(args.data_root) / "runs" / load_catalog().phase(args.phase).name
+
+
+def cmd_sample(args: argparse.Namespace) -> None:
+    import torch
+
+    from sdtrain.sampling import generate, image_grid, load_networks
+
+    device = None if args.device is None else torch.device(args.device)
+    networks = load_networks(_weights(args), use_ema=not args.live, device=device)
+    images = generate(
+        networks,
+        args.prompts,
+        negative_prompt=args.negative,
+        num_steps=args.steps,
+        guidance_scale=args.guidance,
+        seed=args.seed,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    image_grid(images).save(args.out)
+    print(f"{len(images)} image(s) from {'live' if args.live else 'EMA'} weights: {args.out}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    import torch
+
+    from sdtrain.export import export_pipeline
+    from sdtrain.sampling import load_networks
+
+    networks = load_networks(_weights(args), use_ema=not args.live, device=torch.device("cpu"))
+    folder, single_file = export_pipeline(networks, args.out, half=args.half)
+    print(f"diffusers folder: {folder}\nsingle file: {single_file}")
+
+
+def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--phase", help="a trained phase under the data root (runs/<phase>/)")
+    source.add_argument(
+        "--weights", type=Path, help="a run folder, its final/ or a checkpoint folder"
+    )
+    p.add_argument("--live", action="store_true", help="the live weights instead of the EMA")
 
 
 def cmd_summary(args: argparse.Namespace) -> None:
@@ -112,6 +162,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summary", help="samples per stage and drop reason, from the data root")
     p.add_argument("sources", nargs="*")
     p.set_defaults(fn=cmd_summary)
+    p = sub.add_parser(
+        "sample", help="images from trained weights: DDIM, EMA, CFG with a negative prompt"
+    )
+    p.add_argument("prompts", nargs="+")
+    _add_weights_arguments(p)
+    p.add_argument("--negative", default="", help="negative prompt (default: empty)")
+    p.add_argument("--steps", type=int, default=100, help="DDIM steps (default: 100)")
+    p.add_argument("--guidance", type=float, default=7.5, help="CFG scale (default: 7.5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="cuda, mps or cpu (default: the first available)")
+    p.add_argument("--out", type=Path, default=Path("samples.png"), help="PNG grid to write")
+    p.set_defaults(fn=cmd_sample)
+    p = sub.add_parser(
+        "export", help="trained weights -> a diffusers folder and one .safetensors file"
+    )
+    p.add_argument("out", type=Path, help="folder to write; the single file is <out>.safetensors")
+    _add_weights_arguments(p)
+    p.add_argument("--half", action="store_true", help="fp16 weights (default: fp32)")
+    p.set_defaults(fn=cmd_export)
     sub.add_parser(
         "demo", help="the whole chain on the demo source through deployments"
     ).set_defaults(fn=cmd_demo)

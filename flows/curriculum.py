@@ -1,13 +1,16 @@
 """curriculum: one phase = mix (its seeded set of datasets) -> train (torchrun DDP).
 
-Phase N starts from phase N-1's final weights (`runs/<previous>/final/`); the flow refuses
-to start a phase whose predecessor has not finished, rather than silently training from
-scratch. The trainer's log lines stream into the flow run's logs.
+Phase N starts from phase N-1's final weights and the flow refuses to start before they exist.
+Trainer lines stream into the logs and a progress artifact. A training holds this machine's slot
+(a global concurrency limit, made with 1 slot): a run takes every GPU it sees.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
@@ -23,7 +26,7 @@ from catalog import Catalog, CatalogError, Phase, load_catalog
 from tasks import mix, shards
 from tasks.train import TrainingFailed, launch_training, train_config_for_phase
 
-STEP_LINE = re.compile(r"step (\d+)/(\d+) loss=([0-9.eE+-]+)")
+STEP_LINE = re.compile(r"step (\d+)/(\d+) loss=([0-9.eE+-]+).*? samples/s=([0-9.]+)")
 
 
 class PhaseNotReady(Exception):
@@ -57,8 +60,47 @@ def mix_task(root: Path, catalog: Catalog, phase: Phase) -> dict:
     return report
 
 
+def parse_step_line(line: str) -> dict | None:
+    """The numbers of a trainer console line `step 10/5000 loss=0.1823 ... samples/s=12.3`."""
+    m = STEP_LINE.search(line)
+    if m is None:
+        return None
+    return {
+        "step": int(m.group(1)),
+        "total_steps": int(m.group(2)),
+        "loss": float(m.group(3)),
+        "samples_per_s": float(m.group(4)),
+    }
+
+
+def training_slot_name() -> str:
+    return f"sdpipe-train-{socket.gethostname()}"
+
+
+@contextlib.contextmanager
+def training_slot() -> Iterator[None]:
+    """Hold this machine's training slot (a global concurrency limit, made with limit 1)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    name = training_slot_name()
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with contextlib.suppress(ObjectAlreadyExists):  # another flow created it first
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=1)
+                )
+    get_run_logger().info(f"waiting for the training slot {name!r}")
+    with concurrency(name, occupy=1, strict=True):
+        yield
+
+
 @task(name="train", task_run_name="train-{phase.name}")
-def train_task(root: Path, phase: Phase, init_from: str) -> dict:
+def train_task(root: Path, phase: Phase, init_from: str, wandb_project: str = "") -> dict:
     logger = get_run_logger()
     config = train_config_for_phase(
         phase,
@@ -66,6 +108,7 @@ def train_task(root: Path, phase: Phase, init_from: str) -> dict:
         run_dir=root / "runs" / phase.name,
         init_from=init_from,
     )
+    config.wandb_project = wandb_project
     progress_id = create_progress_artifact(
         0.0,
         key=f"{_key(phase.name)}-train-progress",
@@ -74,26 +117,33 @@ def train_task(root: Path, phase: Phase, init_from: str) -> dict:
 
     def on_line(line: str) -> None:
         logger.info(line)
-        if m := STEP_LINE.search(line):
-            step, total = int(m.group(1)), int(m.group(2))
+        if numbers := parse_step_line(line):
             update_progress_artifact(
                 progress_id,
-                100.0 * step / total,
-                description=f"step {step}/{total} loss={m.group(3)}",
+                100.0 * numbers["step"] / numbers["total_steps"],
+                description=(
+                    f"{phase.name}: step {numbers['step']}/{numbers['total_steps']}, "
+                    f"loss {numbers['loss']:.4f}, {numbers['samples_per_s']:.1f} samples/s"
+                ),
             )
 
-    return launch_training(config, on_line=on_line)
+    with training_slot():
+        return launch_training(config, on_line=on_line)
 
 
 @flow(name="curriculum", log_prints=True)
-def curriculum(phase: str = "demo", data_root: str | None = None):
-    """Build a phase's mix and train it, starting from the previous phase's final weights."""
+def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project: str = ""):
+    """Build a phase's mix and train it, starting from the previous phase's final weights.
+
+    A rerun after a failure or cancellation resumes the training from its latest checkpoint;
+    `wandb_project` also logs the training to Weights & Biases (needs `pip install wandb`).
+    """
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
         catalog, spec, init_from = preflight(phase, root)
         report = mix_task(root, catalog, spec)
-        summary = train_task(root, spec, init_from)
+        summary = train_task(root, spec, init_from, wandb_project)
     except (CatalogError, PhaseNotReady, mix.MixError, TrainingFailed) as e:
         logger.error(str(e))
         return Failed(message=str(e))
@@ -102,10 +152,15 @@ def curriculum(phase: str = "demo", data_root: str | None = None):
             [
                 f"# curriculum {spec.name}",
                 f"- samples in the mix: {report['num_samples']}",
-                f"- steps: {summary['steps']}, loss {summary['first_loss']:.4f} -> "
-                f"{summary['last_loss']:.4f}, {summary['samples_per_s']:.1f} samples/s",
-                f"- checkpoint: `{summary['checkpoint']}`",
-                f"- sample grid: `{summary['sample_grid']}`",
+                f"- steps: {summary['steps']}/{summary['total_steps']} on "
+                f"{summary['world_size']} ranks (resumed from step {summary['resumed_from_step']})",
+                f"- loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; best "
+                f"validation loss (EMA): {summary['best_val_loss']}",
+                f"- {summary['samples_per_s']:.1f} samples/s, data wait "
+                f"{100 * summary['data_wait_fraction']:.1f}% of the loop",
+                f"- final weights (live + EMA): `{summary['checkpoint']}`",
+                f"- best checkpoint: `{summary['best_checkpoint']}`",
+                f"- sample grid (EMA): `{summary['sample_grid']}`",
             ]
         ),
         key=f"{_key(spec.name)}-train-summary",

@@ -1,7 +1,8 @@
 """The typed config of one training run, written to `<run_dir>/config.json` and read by torchrun.
 
-`batch_size` is per rank: the effective batch is batch_size x world_size x grad_accum, so the
-same config means a different effective batch on a different number of GPUs.
+The field defaults are the base run config (the recipe's settings); a phase's run config is
+derived from it by `run_config_for_phase`, which overrides only what the catalog phase sets.
+`batch_size` is per rank: the effective batch is batch_size x world_size x grad_accum.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from catalog import Phase
 from tasks.shards import atomic_path
 
 DEFAULT_PROMPTS = (
@@ -20,29 +23,71 @@ DEFAULT_PROMPTS = (
     "a bowl of fruit on a wooden table",
 )
 
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+PredictionType = Literal["epsilon", "v_prediction"]
+
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
+    # What to train, from what, where.
     phase: str
     phase_dir: str  # folder of the phase set: manifest.parquet, latents/, tokens/
     run_dir: str
     model: str  # catalog model name
+    init_from: str = ""  # a previous run's final/ folder (unet.safetensors, unet_ema.safetensors)
+    resume: bool = True  # continue from <run_dir>/checkpoints/latest when it exists
+    seed: int = 0
+
+    # Schedule: total steps = per-rank batches per epoch x epochs / grad_accum (or max_steps).
     lr: float
     warmup_steps: int
     epochs: int
     max_steps: int | None = None  # caps the optimizer steps that the epochs would give
     batch_size: int  # per rank
     grad_accum: int = 1
+
+    # Optimizer: fused AdamW, clipped.
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    weight_decay: float = 1e-2
+    max_grad_norm: float = 1.0
+
+    # Objective.
+    prediction_type: PredictionType = "epsilon"
     cfg_dropout: float
     min_snr_gamma: float
-    seed: int = 0
-    init_from: str = ""  # a previous run's final/ folder (unet.safetensors, unet_ema.safetensors)
-    log_every: int = 5
-    sample_every: int = 0  # 0: a sample grid only at the end
+    offset_noise: float = 0.0  # std of a per-channel constant added to the noise; 0: off
+
+    # EMA of the weights: fp32, updated every `ema_every` optimizer steps.
+    ema_decay: float = 0.9999
+    ema_every: int = 1
+    ema_on_cpu: bool = False  # keep the shadow in host RAM (saves GPU memory, costs a copy)
+
+    # Numerics.
+    precision: Precision = "auto"  # auto: bf16 where supported, else fp16 + scaler; CPU fp32
+    channels_last: bool = True
+    gradient_checkpointing: bool = True  # ~40% less activation memory, ~25% slower steps
+    deterministic: bool = False  # deterministic kernels: bitwise-reproducible runs on CPU
+
+    # Data.
+    latents_in_ram: bool = False  # else memory-mapped
+    load_threads: int = 16  # threads that read the latents into RAM
+    num_workers: int = 0  # DataLoader workers per rank; a row is two array lookups
+    num_val_samples: int = 1000  # rows held out of training for the validation loss
+
+    # Checkpoints: a rolling `latest`, periodic ones kept, `best` by validation loss.
+    checkpoint_every: int = 1500  # 0: only at the end and when interrupted
+    keep_every: int = 10_000  # a checkpoint every N steps is kept for good; 0: none
+    validate_every: int = 2000  # EMA validation loss every N steps (and at the end); 0: end only
+
+    # Monitoring.
+    log_every: int = 10
+    sample_every: int = 2000  # 0: a sample grid only at the end
     sample_prompts: tuple[str, ...] = DEFAULT_PROMPTS
+    negative_prompt: str = ""
     sample_steps: int = 20  # DDIM steps of the sample grids
     guidance_scale: float = 7.5
-    num_workers: int = 0  # DataLoader workers per rank; rows are memory-mapped, so 0 is cheap
+    wandb_project: str = ""  # log to Weights & Biases too (needs `pip install wandb`)
 
     def to_json(self, path: str | Path) -> None:
         with atomic_path(Path(path)) as tmp:
@@ -51,5 +96,48 @@ class TrainConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> TrainConfig:
         fields = json.loads(Path(path).read_text())
-        fields["sample_prompts"] = tuple(fields.get("sample_prompts", DEFAULT_PROMPTS))
-        return cls(**fields)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+# Catalog phase fields that override the base run config when the phase sets them.
+PHASE_OVERRIDES = (
+    "max_steps",
+    "prediction_type",
+    "offset_noise",
+    "ema_every",
+    "ema_on_cpu",
+    "channels_last",
+    "gradient_checkpointing",
+    "latents_in_ram",
+    "num_val_samples",
+    "checkpoint_every",
+    "keep_every",
+    "validate_every",
+    "log_every",
+    "sample_every",
+)
+
+
+def run_config_for_phase(
+    phase: Phase, *, phase_dir: str | Path, run_dir: str | Path, init_from: str | Path = ""
+) -> TrainConfig:
+    """The base run config with a catalog phase's settings; `init_from`: the previous final/."""
+    overrides = {f: getattr(phase, f) for f in PHASE_OVERRIDES if getattr(phase, f) is not None}
+    if phase.sample_prompts:
+        overrides["sample_prompts"] = phase.sample_prompts
+    return TrainConfig(
+        phase=phase.name,
+        phase_dir=str(phase_dir),
+        run_dir=str(run_dir),
+        model=phase.model,
+        init_from=str(init_from),
+        seed=phase.seed,
+        lr=phase.lr,
+        warmup_steps=phase.warmup_steps,
+        epochs=phase.epochs,
+        batch_size=phase.batch_size,
+        grad_accum=phase.grad_accum,
+        cfg_dropout=phase.cfg_dropout,
+        min_snr_gamma=phase.min_snr_gamma,
+        **overrides,
+    )

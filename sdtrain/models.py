@@ -5,8 +5,8 @@ Design choices:
   already in the cache; `local_files_only` unless `SDPIPE_ALLOW_DOWNLOADS=1`) or built from
   `*_config` with seeded random weights: the tiny twins that tests and the demo use.
 - A UNet built from config starts with its output projections zero-initialized (ResNet conv2,
-  attention out, transformer proj_out, conv_out), as the recipe did, so every block starts
-  as the identity.
+  self- and cross-attention out, feed-forward out, transformer proj_out, conv_out), as the
+  recipe did, so every block starts as the identity.
 - The tokenizer is SD1's CLIP BPE, built offline from the vocabulary open_clip ships; ids are
   identical to `openai/clip-vit-large-patch14`'s tokenizer (pad with 49407, 77 ids).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import importlib.util
 import os
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def build_unet(model: Model, seed: int = 0):
 
 def zero_init_output_projections(unet) -> None:
     """Zero the last layer of every residual branch so each block starts as the identity."""
+    from diffusers.models.attention import FeedForward
     from diffusers.models.attention_processor import Attention
     from diffusers.models.resnet import ResnetBlock2D
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
@@ -83,6 +85,8 @@ def zero_init_output_projections(unet) -> None:
             zeroed.append(module.conv2)
         elif isinstance(module, Attention):
             zeroed.append(module.to_out[0])
+        elif isinstance(module, FeedForward):
+            zeroed.append([m for m in module.net if isinstance(m, torch.nn.Linear)][-1])
         elif isinstance(module, Transformer2DModel):
             zeroed.append(module.proj_out)
     zeroed.append(unet.conv_out)
@@ -96,10 +100,11 @@ def zero_init_output_projections(unet) -> None:
 @functools.cache
 def build_tokenizer():
     """SD1's CLIP tokenizer, built from the BPE vocabulary that open_clip ships."""
-    import open_clip
     from transformers import CLIPTokenizer
 
-    bpe_path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+    # Located, not imported: importing open_clip (and timm with it) takes seconds.
+    open_clip_dir = importlib.util.find_spec("open_clip").submodule_search_locations[0]
+    bpe_path = Path(open_clip_dir) / "bpe_simple_vocab_16e6.txt.gz"
     with gzip.open(bpe_path, "rt", encoding="utf-8") as f:
         lines = f.read().split("\n")
     merges = [tuple(m.split()) for m in lines[1 : 49152 - 256 - 2 + 1]]

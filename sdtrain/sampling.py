@@ -1,55 +1,77 @@
-"""Sample grids from a UNet: DDIM with classifier-free guidance, decoded by the VAE.
+"""Images from a UNet: DDIM with classifier-free guidance against a real negative prompt.
 
-x0 is never clamped: `clip_sample=False`, because latents scaled by 0.18215 are not in [-1, 1]
-and clamping them (DDIM's default, meant for pixel space) washes out the samples.
+x0 is never clamped (`clip_sample=False`): latents x 0.18215 are not bounded by [-1, 1], and
+DDIM's pixel-space clamp washes samples out. The sampler shares the trainer's alphas, and
+`sdpipe sample` uses the EMA weights unless asked for the live ones.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-# SD1's training noise schedule; the trainer's DDPM and the sampler's DDIM must share it.
-NOISE_SCHEDULE = {
-    "beta_schedule": "scaled_linear",
-    "beta_start": 0.00085,
-    "beta_end": 0.012,
-    "num_train_timesteps": 1000,
-}
+from catalog import Model, load_catalog
+from sdtrain.checkpoint import load_weights
+from sdtrain.config import TrainConfig
+from sdtrain.models import build_text_encoder, build_unet, build_vae, tokenize
+from sdtrain.objective import NOISE_SCHEDULE
+
+
+class WeightsNotFound(Exception):
+    """A path given to `sdpipe sample` / `sdpipe export` holds no trained weights."""
+
+
+def ddim_scheduler(prediction_type: str = "epsilon"):
+    from diffusers import DDIMScheduler
+
+    return DDIMScheduler(
+        **NOISE_SCHEDULE,
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        prediction_type=prediction_type,
+    )
+
+
+@torch.no_grad()
+def encode_text(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
+    """The frozen CLIP text encoder's last_hidden_state [N, 77, D] for token ids [N, 77]."""
+    return text_encoder(input_ids.to(text_encoder.device)).last_hidden_state
 
 
 @torch.no_grad()
 def sample_latents(
     unet,
     text_emb: torch.Tensor,
-    empty_emb: torch.Tensor,
+    negative_emb: torch.Tensor,
     *,
     latent_shape: tuple[int, int, int],
     num_steps: int,
     guidance_scale: float,
     seed: int,
+    prediction_type: str = "epsilon",
 ) -> torch.Tensor:
-    """Latents [N, *latent_shape] for N prompt embeddings; `empty_emb` [1,77,D] is the negative."""
-    from diffusers import DDIMScheduler
+    """Latents [N, *latent_shape] for N prompt embeddings, guided away from `negative_emb`.
 
-    scheduler = DDIMScheduler(
-        **NOISE_SCHEDULE, clip_sample=False, set_alpha_to_one=False, steps_offset=1
-    )
+    `negative_emb` is [1, 77, D] (one negative prompt for all) or [N, 77, D]. The initial noise
+    is drawn on the CPU, so a seed gives the same images on CUDA, MPS and CPU.
+    """
+    scheduler = ddim_scheduler(prediction_type)
     scheduler.set_timesteps(num_steps)
     num_images = text_emb.shape[0]
-    generator = torch.Generator(text_emb.device).manual_seed(seed)
-    latents = (
-        torch.randn((num_images, *latent_shape), generator=generator, device=text_emb.device)
-        * scheduler.init_noise_sigma
-    )
-    cond = torch.cat([empty_emb.expand(num_images, -1, -1), text_emb])
+    generator = torch.Generator().manual_seed(seed)
+    latents = torch.randn((num_images, *latent_shape), generator=generator).to(text_emb.device)
+    latents = latents * scheduler.init_noise_sigma
+    cond = torch.cat([negative_emb.expand(num_images, -1, -1), text_emb])
     for t in scheduler.timesteps:
-        eps_uncond, eps_text = unet(torch.cat([latents, latents]), t, cond).sample.chunk(2)
-        eps = eps_uncond + guidance_scale * (eps_text - eps_uncond)
-        latents = scheduler.step(eps.float(), t, latents).prev_sample
+        out_negative, out_text = unet(torch.cat([latents, latents]), t, cond).sample.chunk(2)
+        out = out_negative + guidance_scale * (out_text - out_negative)
+        latents = scheduler.step(out.float(), t, latents).prev_sample
     return latents
 
 
@@ -69,3 +91,82 @@ def image_grid(images: list[Image.Image], num_cols: int = 4) -> Image.Image:
         r, c = divmod(i, num_cols)
         grid[r * h : (r + 1) * h, c * w : (c + 1) * w] = np.asarray(image.convert("RGB"))
     return Image.fromarray(grid)
+
+
+def pick_device() -> torch.device:
+    """CUDA, else Apple's MPS, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_weights(path: str | Path) -> Path:
+    """The weights folder a path means: a run folder's final/ (else its latest checkpoint),
+    a final/ folder, or a checkpoint folder."""
+    path = Path(path)
+    for candidate in (path, path / "final", path / "checkpoints" / "latest"):
+        if (candidate / "unet_ema.safetensors").is_file() and (candidate / "config.json").is_file():
+            return candidate.resolve()
+    raise WeightsNotFound(
+        f"{path}: no trained weights here (expected unet_ema.safetensors and config.json in it, "
+        "in its final/ or in its checkpoints/latest/)"
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Networks:
+    """A trained UNet with the frozen networks it was trained with."""
+
+    model: Model
+    prediction_type: str
+    unet: torch.nn.Module
+    vae: torch.nn.Module
+    text_encoder: torch.nn.Module
+
+
+def load_networks(weights: str | Path, *, use_ema: bool = True, device=None) -> Networks:
+    """The networks of a weights folder (see `resolve_weights`), in eval mode on `device`."""
+    folder = resolve_weights(weights)
+    config = TrainConfig.from_json(folder / "config.json")
+    model = load_catalog().model(config.model)
+    unet = build_unet(model)
+    unet.load_state_dict(load_weights(folder / f"unet{'_ema' if use_ema else ''}.safetensors"))
+    device = device or pick_device()
+    return Networks(
+        model=model,
+        prediction_type=config.prediction_type,
+        unet=unet.to(device).eval().requires_grad_(False),
+        vae=build_vae(model).to(device).eval().requires_grad_(False),
+        text_encoder=build_text_encoder(model).to(device).eval().requires_grad_(False),
+    )
+
+
+def generate(
+    networks: Networks,
+    prompts: list[str],
+    *,
+    negative_prompt: str = "",
+    num_steps: int = 100,
+    guidance_scale: float = 7.5,
+    seed: int = 0,
+) -> list[Image.Image]:
+    """One image per prompt: DDIM, no x0 clamp, CFG against `negative_prompt`."""
+    device = networks.unet.device
+    text_emb = encode_text(networks.text_encoder, tokenize(prompts))
+    negative_emb = encode_text(networks.text_encoder, tokenize([negative_prompt]))
+    side = networks.model.resolution // 8
+    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    with torch.autocast(device.type, dtype or torch.float16, enabled=device.type == "cuda"):
+        latents = sample_latents(
+            networks.unet,
+            text_emb,
+            negative_emb,
+            latent_shape=(networks.unet.config.in_channels, side, side),
+            num_steps=num_steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+            prediction_type=networks.prediction_type,
+        )
+    return decode_images(networks.vae, latents.float(), networks.model.scaling_factor)

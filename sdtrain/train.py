@@ -1,164 +1,163 @@
-"""Train a UNet on a phase set: epsilon prediction with min-SNR weighting, DDP, EMA weights.
+"""Train a UNet on a phase set: DDP, min-SNR loss, EMA, resumable checkpoints.
 
 Run as `torchrun --nproc_per_node=N -m sdtrain.train --config run.json`; a plain `python -m`
-run is a process group of one, so both take the same code path. The schedule's length comes
-from the loader's per-rank batch count, not the dataset length: it must match the steps taken.
-Only rank 0 writes, each file through a temporary renamed into place.
+run is a group of one, same code path. DDP wraps the model here, never in model code. A run
+resumes from `checkpoints/latest` at the exact next sample; only rank 0 writes files.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
-import json
-import os
-import shutil
+import sys
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from diffusers import DDPMScheduler
-from safetensors.torch import load_file, save_file
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from catalog import load_catalog
+from sdtrain.checkpoint import (
+    CheckpointDir,
+    CheckpointError,
+    KeepPolicy,
+    load_weights,
+    read_trainer_state,
+    write_checkpoint,
+)
 from sdtrain.config import TrainConfig
-from sdtrain.data import EpochSampler, PhaseSet
+from sdtrain.data import EpochSampler, PhaseSet, split_rows
+from sdtrain.ema import EMA
 from sdtrain.models import build_text_encoder, build_unet, build_vae, tokenize
-from sdtrain.sampling import NOISE_SCHEDULE, decode_images, image_grid, sample_latents
-from tasks.shards import TMP_MARK, atomic_path, clean_temporaries, write_json_atomic
-
-MIN_LR_RATIO = 1e-2  # the warmup starts at, and the cosine ends at, lr x this
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world_size, device) of this process, with the default process group set up."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
-    else:  # not under torchrun: a group of one, held in an in-process store
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size(), device
+from sdtrain.monitor import Monitor, read_log
+from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
+from sdtrain.runtime import (
+    StopRequest,
+    build_optimizer,
+    choose_numerics,
+    configure_backends,
+    rng_state,
+    set_rng_state,
+    setup_distributed,
+)
+from sdtrain.sampling import decode_images, encode_text, image_grid, sample_latents
+from sdtrain.schedules import build_lr_schedule, total_optimizer_steps
+from tasks.shards import clean_temporaries, write_json_atomic
 
 
-def total_optimizer_steps(
-    num_batches_per_epoch: int, *, epochs: int, grad_accum: int, max_steps: int | None
-) -> int:
-    total = num_batches_per_epoch * epochs // grad_accum
-    return total if max_steps is None else min(total, max_steps)
+class TrainingInterrupted(Exception):
+    """SIGTERM or Ctrl-C stopped the run after it checkpointed; rerunning resumes it."""
 
 
-def build_lr_schedule(optimizer, *, warmup_steps: int, total_steps: int) -> LRScheduler:
-    """Linear warmup from lr x 1e-2, then cosine down to lr x 1e-2 at `total_steps`."""
-    eta_min = optimizer.param_groups[0]["lr"] * MIN_LR_RATIO
-    cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=eta_min)
-    if warmup_steps == 0:
-        return cosine
-    warmup = LinearLR(optimizer, start_factor=MIN_LR_RATIO, total_iters=warmup_steps)
-    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+def epoch_batches(
+    loader: DataLoader,
+    sampler: EpochSampler,
+    *,
+    start_epoch: int,
+    start_sample: int,
+    num_epochs: int,
+    samples_per_batch: int,
+) -> Iterator[tuple[int, int, list, float]]:
+    """(epoch, samples of the epoch consumed once this batch is, batch, seconds waited for it)."""
+    for epoch in range(start_epoch, num_epochs):
+        done = start_sample if epoch == start_epoch else 0
+        sampler.set_epoch(epoch, done)
+        batches = iter(loader)
+        while True:
+            waited = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            done += samples_per_batch
+            yield epoch, done, batch, time.perf_counter() - waited
 
 
-def min_snr_weights(
-    timesteps: torch.Tensor, alphas_cumprod: torch.Tensor, gamma: float
-) -> torch.Tensor:
-    """min(SNR, gamma) / SNR per sample: easy low-noise steps stop dominating the loss."""
-    alpha_bar = alphas_cumprod[timesteps]
-    snr = alpha_bar / (1 - alpha_bar)
-    return snr.clamp(max=gamma) / snr
-
-
-def ema_decay(step: int) -> float:
-    """Decay at 0-based optimizer step `step`: short memory early, so EMA tracks a fresh model."""
-    return min(0.9999, (1 + step) / (10 + step))
-
-
-def encode_text(text_encoder, input_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return text_encoder(input_ids).last_hidden_state
-
-
-def diffusion_loss(
-    unet, latents_BCHW: torch.Tensor, text_emb: torch.Tensor, noise_scheduler, gamma: float
-) -> torch.Tensor:
-    """Min-SNR-weighted epsilon MSE at uniform random timesteps, averaged over the batch."""
-    noise = torch.randn_like(latents_BCHW)
-    alphas_cumprod = noise_scheduler.alphas_cumprod.to(latents_BCHW.device)
-    timesteps = torch.randint(
-        0, len(alphas_cumprod), (len(latents_BCHW),), device=latents_BCHW.device
-    )
-    noisy = noise_scheduler.add_noise(latents_BCHW, noise, timesteps)
-    pred = unet(noisy, timesteps, text_emb).sample
-    mse = F.mse_loss(pred.float(), noise, reduction="none").mean(dim=(1, 2, 3))
-    return (mse * min_snr_weights(timesteps, alphas_cumprod, gamma)).mean()
-
-
-def epochs_of(loader: DataLoader, sampler: EpochSampler, num_epochs: int) -> Iterator:
-    for epoch in range(num_epochs):
-        sampler.set_epoch(epoch)
-        yield from loader
-
-
-def save_final(run_dir: Path, unet, ema_unet) -> Path:
-    """`<run_dir>/final/` with unet.safetensors and unet_ema.safetensors, renamed in whole."""
-    final = run_dir / "final"
-    tmp_dir = run_dir / f".final{TMP_MARK}{os.getpid()}"
-    tmp_dir.mkdir(parents=True)
-    for name, module in (("unet", unet), ("unet_ema", ema_unet)):
-        state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-        with atomic_path(tmp_dir / f"{name}.safetensors") as tmp:
-            save_file(state, str(tmp))
-    if final.exists():  # a rerun of the phase replaces its previous weights
-        shutil.rmtree(final)
-    os.replace(tmp_dir, final)
-    return final
+@torch.no_grad()
+def validation_loss(
+    unet, phase_set: PhaseSet, rows: np.ndarray, text_encoder, config: TrainConfig, autocast
+) -> float:
+    """The training loss at fixed noise and timesteps per row, no CFG drop, over all ranks."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = next(unet.parameters()).device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, row count
+    my_rows = rows[rank::world_size]
+    for start in range(0, len(my_rows), config.batch_size):
+        items = [phase_set[int(i)] for i in my_rows[start : start + config.batch_size]]
+        latents = torch.stack([latent for latent, _, _ in items]).to(device)
+        input_ids = torch.stack([ids for _, ids, _ in items]).to(device)
+        row_ids = torch.tensor([i for _, _, i in items])
+        noise, timesteps, _ = draw_noise(
+            row_ids,
+            seed=config.seed,
+            epoch=0,
+            latent_shape=tuple(latents.shape[1:]),
+            stream=VALIDATION_STREAM,
+        )
+        with autocast():
+            loss = diffusion_loss(
+                unet,
+                latents,
+                encode_text(text_encoder, input_ids),
+                noise.to(device),
+                timesteps.to(device),
+                gamma=config.min_snr_gamma,
+                prediction_type=config.prediction_type,
+                channels_last=config.channels_last,
+            )
+        totals += torch.stack([loss.double() * len(items), torch.tensor(len(items), device=device)])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
 
 
 def train(config: TrainConfig) -> dict | None:
-    """Run the phase; rank 0 returns the summary it wrote, other ranks None."""
-    started = time.perf_counter()
+    """Run (or resume) the phase; rank 0 returns the summary it wrote, other ranks None."""
     rank, world_size, device = setup_distributed()
+    try:
+        return _train(config, rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device) -> dict | None:
+    started = time.perf_counter()
+    configure_backends(deterministic=config.deterministic)
     if device.type == "cpu" and world_size > 1:
         torch.set_num_threads(1)  # ranks share the cores; each would otherwise take them all
     run_dir = Path(config.run_dir)
     model = load_catalog().model(config.model)
-    use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    amp = functools.partial(torch.autocast, device.type, torch.bfloat16, enabled=use_bf16)
-
-    # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
-    unet = build_unet(model, seed=config.seed).to(device).train()
-    if config.init_from:
-        unet.load_state_dict(load_file(Path(config.init_from) / "unet.safetensors"))
-    ema_unet = copy.deepcopy(unet).requires_grad_(False).eval()
-    if config.init_from:
-        ema_unet.load_state_dict(load_file(Path(config.init_from) / "unet_ema.safetensors"))
-    text_encoder = build_text_encoder(model, seed=config.seed).to(device).requires_grad_(False)
-    text_encoder.eval()
-    empty_emb = encode_text(text_encoder, tokenize([""]).to(device))
-    vae = build_vae(model, seed=config.seed).to(device).eval() if rank == 0 else None
-    prompt_emb = encode_text(text_encoder, tokenize(list(config.sample_prompts)).to(device))
-    ddp = DistributedDataParallel(
-        unet,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        gradient_as_bucket_view=True,
+    numerics = choose_numerics(device, config.precision)
+    autocast = functools.partial(
+        torch.autocast,
+        device.type,
+        numerics.autocast_dtype or torch.float32,
+        enabled=numerics.autocast_dtype is not None,
     )
+    checkpoints = CheckpointDir(
+        run_dir / "checkpoints",
+        KeepPolicy(checkpoint_every=config.checkpoint_every, keep_every=config.keep_every),
+    )
+    if rank == 0:
+        clean_temporaries(run_dir)  # a killed run's half-built final/
+        checkpoints.clean()
+    dist.barrier()
+    resume_from = checkpoints.latest() if config.resume else None
+    state = read_trainer_state(resume_from, device) if resume_from else None  # checksums first
 
-    dataset = PhaseSet(config.phase_dir)
-    sampler = EpochSampler(len(dataset), seed=config.seed, rank=rank, world_size=world_size)
+    # Data: validation rows held out by a seeded draw; the rest in a per-epoch seeded order.
+    phase_set = PhaseSet(
+        config.phase_dir, in_ram=config.latents_in_ram, num_threads=config.load_threads
+    )
+    train_rows, val_rows = split_rows(len(phase_set), config.num_val_samples, config.seed)
+    sampler = EpochSampler(len(train_rows), seed=config.seed, rank=rank, world_size=world_size)
     loader = DataLoader(
-        dataset,
+        Subset(phase_set, train_rows.tolist()),
         batch_size=config.batch_size,
         sampler=sampler,
         drop_last=True,  # equal micro-batches on every rank and every step
@@ -171,117 +170,288 @@ def train(config: TrainConfig) -> dict | None:
     )
     if total_steps == 0:
         raise ValueError(
-            f"{config.phase_dir}: {len(dataset)} rows give no optimizer step at batch_size "
-            f"{config.batch_size} x {world_size} ranks x grad_accum {config.grad_accum}"
+            f"{config.phase_dir}: {len(train_rows)} training rows give no optimizer step at "
+            f"batch_size {config.batch_size} x {world_size} ranks x grad_accum {config.grad_accum}"
         )
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=config.lr, fused=device.type == "cuda")
+    latent_shape = tuple(phase_set[0][0].shape)
+    global_batch = config.batch_size * world_size * config.grad_accum
+
+    # Networks: the UNet from the checkpoint we resume, else the previous phase's final weights,
+    # else its random init. Same seed on every rank; DDP also broadcasts rank 0's weights.
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    unet = build_unet(model, seed=config.seed)
+    weights_dir = resume_from or (Path(config.init_from) if config.init_from else None)
+    if weights_dir:
+        unet.load_state_dict(load_weights(weights_dir / "unet.safetensors"))
+    unet.set_attn_processor(AttnProcessor2_0())  # SDPA: flash / memory-efficient kernels
+    if config.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
+    unet = unet.to(device, memory_format=memory_format).train()
+    ema = EMA(
+        unet,
+        decay=config.ema_decay,
+        every=config.ema_every,
+        device=torch.device("cpu") if config.ema_on_cpu else device,
+    )
+    if weights_dir:
+        ema.load_state_dict(load_weights(weights_dir / "unet_ema.safetensors"))
+    # The frozen networks have fixed weights (seed 0 for the tiny twins, as the encode stage).
+    text_encoder = build_text_encoder(model).to(device).eval().requires_grad_(False)
+    empty_emb = encode_text(text_encoder, tokenize([""]))  # the CFG dropout's "no caption"
+    ddp = DistributedDataParallel(
+        unet,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,
+    )
+
+    # Optimization: fresh for every phase; restored only when resuming this run.
+    optimizer = build_optimizer(
+        unet.parameters(),
+        lr=config.lr,
+        betas=config.adam_betas,
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+    )
     lr_schedule = build_lr_schedule(
         optimizer, warmup_steps=config.warmup_steps, total_steps=total_steps
     )
-    noise_scheduler = DDPMScheduler(**NOISE_SCHEDULE)
-    ema_params, live_params = list(ema_unet.parameters()), list(unet.parameters())
-    latent_side = model.resolution // 8
-    samples_per_step = config.batch_size * world_size * config.grad_accum
+    scaler = torch.amp.GradScaler(device.type, enabled=numerics.grad_scaler)
+    run_shape = {
+        "total_steps": total_steps,
+        "global_batch": global_batch,
+        "num_train_rows": len(train_rows),
+        "seed": config.seed,
+        "prediction_type": config.prediction_type,
+    }
+    step, epoch, samples_done, best_val_loss = 0, 0, 0, float("inf")
+    if state is not None:
+        for key, value in run_shape.items():
+            if state["run_shape"][key] != value:
+                raise CheckpointError(
+                    f"{resume_from}: written by a run with {key}={state['run_shape'][key]!r}, "
+                    f"this run has {value!r}; resume with the same settings or use a new run_dir"
+                )
+        optimizer.load_state_dict(state["optimizer"])
+        lr_schedule.load_state_dict(state["lr_schedule"])
+        scaler.load_state_dict(state["scaler"])
+        set_rng_state(state["rng"][rank if len(state["rng"]) == world_size else 0])
+        step, epoch, samples_done = state["step"], state["epoch"], state["samples_done"]
+        best_val_loss = state["best_val_loss"]
+    resumed_from_step = step
 
-    def write_samples(path: Path) -> Path:
-        with amp():
+    # Rank 0's extras: the VAE and prompts of the sample grids.
+    vae = prompt_emb = negative_emb = None
+    if rank == 0:
+        vae = build_vae(model).to(device).eval().requires_grad_(False)
+        prompt_emb = encode_text(text_encoder, tokenize(list(config.sample_prompts)))
+        negative_emb = encode_text(text_encoder, tokenize([config.negative_prompt]))
+
+    def sample_grid():
+        """A grid of the sample prompts from the EMA weights (DDIM, no x0 clamp)."""
+        with ema.swapped_into(unet), autocast():
             latents = sample_latents(
-                ema_unet,
+                unet,
                 prompt_emb,
-                empty_emb,
-                latent_shape=(unet.config.in_channels, latent_side, latent_side),
+                negative_emb,
+                latent_shape=(unet.config.in_channels, *latent_shape[1:]),
                 num_steps=config.sample_steps,
                 guidance_scale=config.guidance_scale,
                 seed=config.seed,
+                prediction_type=config.prediction_type,
             )
-        with atomic_path(path) as tmp:
-            image_grid(decode_images(vae, latents, model.scaling_factor)).save(tmp, format="PNG")
-        return path
+        return image_grid(decode_images(vae, latents.float(), model.scaling_factor))
 
-    writer = None
-    if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
+    def save_checkpoint(*, is_best: bool, all_ranks: bool = True) -> None:
+        """The resumable state after `step` (every rank's RNG unless one rank saves alone)."""
+        rngs = [None] * world_size if rank == 0 else None
+        if all_ranks:
+            dist.gather_object(rng_state(), rngs, dst=0)
+        else:
+            rngs = [rng_state()]
+        if rank != 0:
+            return
+        checkpoints.save(
+            step,
+            is_best=is_best,
+            unet=unet.state_dict(),
+            unet_ema=ema.state_dict(),
+            config=config,
+            trainer={
+                "step": step,
+                "epoch": epoch,
+                "samples_done": samples_done,
+                "best_val_loss": best_val_loss,
+                "optimizer": optimizer.state_dict(),
+                "lr_schedule": lr_schedule.state_dict(),
+                "scaler": scaler.state_dict(),
+                "rng": rngs,
+                "run_shape": run_shape,
+            },
+        )
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        clean_temporaries(run_dir)  # a killed run's half-built final/
-        writer = SummaryWriter(str(run_dir / "tensorboard"))
+    monitor = Monitor(config, start_step=step, enabled=rank == 0)
+    stop = StopRequest()
+    window_loss = torch.zeros((), device=device)  # summed over the steps since the last log
+    window_steps, window_wait, window_start = 0, 0.0, time.perf_counter()
+    window_rows: list[torch.Tensor] = []  # rank 0's rows since the last log: the data order
+    total_wait, loop_start = 0.0, time.perf_counter()
+    saved_step, consistent = step, True
+    micro_step = 0
+    batches = epoch_batches(
+        loader,
+        sampler,
+        start_epoch=epoch,
+        start_sample=samples_done,
+        num_epochs=config.epochs,
+        samples_per_batch=config.batch_size * world_size,
+    )
+    with stop.installed():
+        try:
+            for batch_epoch, batch_done, (latents, input_ids, rows), waited in batches:
+                if step == total_steps:
+                    break
+                window_wait += waited
+                window_rows.append(rows)
+                noise, timesteps, dropped = draw_noise(
+                    rows,
+                    seed=config.seed,
+                    epoch=batch_epoch,
+                    latent_shape=latent_shape,
+                    cfg_dropout=config.cfg_dropout,
+                    offset_noise=config.offset_noise,
+                )
+                latents, input_ids, noise, timesteps, dropped = (
+                    t.to(device, non_blocking=True)
+                    for t in (latents, input_ids, noise, timesteps, dropped)
+                )
+                micro_step += 1
+                steps_now = micro_step % config.grad_accum == 0
+                # Gradients are all-reduced only on the micro-batch that steps the optimizer.
+                with contextlib.nullcontext() if steps_now else ddp.no_sync():
+                    with autocast():
+                        text_emb = encode_text(text_encoder, input_ids)
+                        text_emb = torch.where(dropped[:, None, None], empty_emb, text_emb)
+                        loss = diffusion_loss(
+                            ddp,
+                            latents,
+                            text_emb,
+                            noise,
+                            timesteps,
+                            gamma=config.min_snr_gamma,
+                            prediction_type=config.prediction_type,
+                            channels_last=config.channels_last,
+                        )
+                    scaler.scale(loss / config.grad_accum).backward()
+                window_loss += loss.detach() / config.grad_accum
+                if not steps_now:
+                    continue
 
-    torch.manual_seed(config.seed + rank)  # noise, timesteps and cfg dropout differ per rank
-    step, step_loss = 0, torch.zeros((), device=device)
-    first_loss = last_loss = float("nan")
-    loop_started = last_log_time = time.perf_counter()
-    last_log_step = 0
-    for micro_step, (latents, input_ids) in enumerate(
-        epochs_of(loader, sampler, config.epochs), start=1
-    ):
-        latents = latents.to(device, non_blocking=True)
-        input_ids = input_ids.to(device, non_blocking=True)
-        steps_now = micro_step % config.grad_accum == 0
-        # Gradients are all-reduced only on the micro-batch that steps the optimizer.
-        with contextlib.nullcontext() if steps_now else ddp.no_sync():
-            with amp():
-                text_emb = encode_text(text_encoder, input_ids)
-                dropped = torch.rand(len(text_emb), device=device) < config.cfg_dropout
-                text_emb = torch.where(dropped[:, None, None], empty_emb, text_emb)
-                loss = diffusion_loss(ddp, latents, text_emb, noise_scheduler, config.min_snr_gamma)
-            (loss / config.grad_accum).backward()
-        step_loss += loss.detach() / config.grad_accum
-        if not steps_now:
-            continue
+                consistent = False  # weights, optimizer and EMA disagree until the EMA update
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), config.max_grad_norm)
+                lr = lr_schedule.get_last_lr()[0]
+                scaler.step(optimizer)
+                scaler.update()
+                lr_schedule.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                if ema.due(step):
+                    ema.update(unet, step)
+                epoch, samples_done = batch_epoch, batch_done
+                consistent = True
+                window_steps += 1
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
-        lr = lr_schedule.get_last_lr()[0]
-        optimizer.step()
-        lr_schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, live_params, 1.0 - ema_decay(step))
-        step += 1
+                stopping = False
+                if step % config.log_every == 0 or step == total_steps:
+                    # One all-reduce: the window's loss and whether any rank was told to stop.
+                    reduced = torch.stack(
+                        [window_loss, torch.tensor(float(stop.requested), device=device)]
+                    )
+                    dist.all_reduce(reduced)
+                    now = time.perf_counter()
+                    monitor.step(
+                        step,
+                        total_steps,
+                        {
+                            "loss": reduced[0].item() / (window_steps * world_size),
+                            "lr": lr,
+                            "grad_norm": grad_norm.item(),
+                            "samples_per_s": window_steps * global_batch / (now - window_start),
+                            "data_wait": window_wait / (now - window_start),
+                        },
+                        rows_crc=zlib.crc32(torch.cat(window_rows).numpy().tobytes()),
+                    )
+                    stopping = reduced[1].item() > 0
+                    total_wait += window_wait
+                    window_loss.zero_()
+                    window_steps, window_wait, window_start = 0, 0.0, now
+                    window_rows.clear()
 
-        dist.all_reduce(step_loss)  # gloo has no AVG: sum, then divide
-        step_loss /= world_size
-        if step == 1:
-            first_loss = step_loss.item()
-        if step % config.log_every == 0 or step == total_steps:
-            last_loss, now = step_loss.item(), time.perf_counter()
-            samples_per_s = (step - last_log_step) * samples_per_step / (now - last_log_time)
-            last_log_time, last_log_step = now, step
-            if rank == 0:
-                print(f"step {step}/{total_steps} loss={last_loss:.4f} lr={lr:.2e}", flush=True)
-                for name, value in (
-                    ("loss", last_loss),
-                    ("lr", lr),
-                    ("grad_norm", grad_norm.item()),
-                    ("samples_per_s", samples_per_s),
-                ):
-                    writer.add_scalar(name, value, step)
-                with open(run_dir / "log.jsonl", "a") as log:
-                    log.write(json.dumps({"step": step, "loss": last_loss, "lr": lr}) + "\n")
-        step_loss.zero_()
-        if step == total_steps:
-            break  # the last step's grid is samples/final.png
-        if rank == 0 and config.sample_every and step % config.sample_every == 0:
-            write_samples(run_dir / "samples" / f"step-{step:06d}.png")
-    train_seconds = time.perf_counter() - loop_started
+                is_best = False
+                validate_now = step == total_steps or (
+                    config.validate_every > 0 and step % config.validate_every == 0
+                )
+                if len(val_rows) and validate_now:
+                    with ema.swapped_into(unet):
+                        val_loss = validation_loss(
+                            unet, phase_set, val_rows, text_encoder, config, autocast
+                        )
+                    is_best = val_loss < best_val_loss
+                    best_val_loss = min(best_val_loss, val_loss)
+                    monitor.validation(step, val_loss, is_best=is_best)
+                if checkpoints.policy.due(step, total_steps) or is_best or stopping:
+                    save_checkpoint(is_best=is_best)
+                    saved_step = step
+                grid_due = config.sample_every > 0 and step % config.sample_every == 0
+                if rank == 0 and grid_due and step != total_steps:  # the last: samples/final.png
+                    monitor.grid(step, sample_grid(), run_dir / "samples" / f"step-{step:06d}.png")
+                if stopping:
+                    raise TrainingInterrupted(
+                        f"stopped by a signal at step {step}/{total_steps}; checkpoint "
+                        f"{checkpoints.step_dir(step)}; rerun to resume"
+                    )
+        except TrainingInterrupted:
+            monitor.close()
+            raise
+        except BaseException:
+            # The state of the last finished step, unless the failure hit mid-update. Rank 0
+            # alone: the other ranks may be gone, so no collective.
+            if rank == 0 and consistent and step > saved_step:
+                print(f"saving the state of step {step} before failing", flush=True)
+                save_checkpoint(is_best=False, all_ranks=False)
+            monitor.close()
+            raise
+    train_seconds = time.perf_counter() - loop_start
 
     summary = None
     if rank == 0:
-        writer.close()
-        checkpoint = save_final(run_dir, unet, ema_unet)
-        sample_grid = write_samples(run_dir / "samples" / "final.png")
+        final = write_checkpoint(
+            run_dir / "final", unet=unet.state_dict(), unet_ema=ema.state_dict(), config=config
+        )
+        grid_path = run_dir / "samples" / "final.png"
+        monitor.grid(step, sample_grid(), grid_path)
+        monitor.close()
+        logged = [r for r in read_log(run_dir / "log.jsonl") if "loss" in r]
+        steps_run = step - resumed_from_step
         summary = {
             "phase": config.phase,
             "steps": step,
-            "first_loss": first_loss,
-            "last_loss": last_loss,
-            "samples_per_s": step * samples_per_step / train_seconds,
+            "total_steps": total_steps,
+            "resumed_from_step": resumed_from_step,
+            "first_loss": logged[0]["loss"] if logged else float("nan"),
+            "last_loss": logged[-1]["loss"] if logged else float("nan"),
+            "best_val_loss": best_val_loss if len(val_rows) else None,
+            "samples_per_s": steps_run * global_batch / train_seconds if steps_run else 0.0,
+            "data_wait_fraction": total_wait / train_seconds if steps_run else 0.0,
             "world_size": world_size,
-            "checkpoint": str(checkpoint),
-            "sample_grid": str(sample_grid),
+            "checkpoint": str(final),
+            "best_checkpoint": str(checkpoints.best()) if checkpoints.best() else None,
+            "sample_grid": str(grid_path),
             "seconds": round(time.perf_counter() - started, 3),
         }
         write_json_atomic(run_dir / "summary.json", summary)
-    dist.destroy_process_group()
     return summary
 
 
@@ -290,7 +460,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train one phase (run under torchrun).")
     parser.add_argument("--config", required=True, help="a TrainConfig JSON file")
     args = parser.parse_args(argv)
-    train(TrainConfig.from_json(args.config))
+    try:
+        train(TrainConfig.from_json(args.config))
+    except TrainingInterrupted as e:
+        print(str(e), flush=True)
+        sys.exit(143)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,18 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from catalog import Phase
-from sdtrain.config import TrainConfig
+from sdtrain.config import TrainConfig, run_config_for_phase
 from tasks.net import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STOP_TIMEOUT_S = 60  # torchrun gives its ranks 30 s after its SIGTERM, then kills them
 
 
 class TrainingFailed(Exception):
@@ -29,24 +31,8 @@ class TrainingFailed(Exception):
 def train_config_for_phase(
     phase: Phase, *, phase_dir: str | Path, run_dir: str | Path, init_from: str | Path = ""
 ) -> TrainConfig:
-    """The run config of a catalog phase; `init_from` is the previous run's final/ folder."""
-    return TrainConfig(
-        phase=phase.name,
-        phase_dir=str(phase_dir),
-        run_dir=str(run_dir),
-        model=phase.model,
-        lr=phase.lr,
-        warmup_steps=phase.warmup_steps,
-        epochs=phase.epochs,
-        max_steps=phase.max_steps,
-        batch_size=phase.batch_size,
-        grad_accum=phase.grad_accum,
-        cfg_dropout=phase.cfg_dropout,
-        min_snr_gamma=phase.min_snr_gamma,
-        seed=phase.seed,
-        init_from=str(init_from),
-        **({"sample_prompts": phase.sample_prompts} if phase.sample_prompts else {}),
-    )
+    """The run config of a catalog phase: the base config with the phase's settings."""
+    return run_config_for_phase(phase, phase_dir=phase_dir, run_dir=run_dir, init_from=init_from)
 
 
 def launch_training(
@@ -72,10 +58,20 @@ def launch_training(
         command, cwd=PROJECT_ROOT, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1,
     ) as proc:  # fmt: skip
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            last_lines.append(line)
-            on_line(line)
+        try:
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                last_lines.append(line)
+                on_line(line)
+        except BaseException:
+            # Cancelled or interrupted: torchrun passes SIGTERM to the ranks, which checkpoint
+            # at the next step and exit; a rerun resumes from there.
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
     if proc.returncode != 0:
         tail = "\n".join(last_lines)
         raise TrainingFailed(f"torchrun exited with {proc.returncode}: {tail}")

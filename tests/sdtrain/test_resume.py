@@ -1,0 +1,190 @@
+"""Interrupted runs resume where they stopped: same losses (bitwise on CPU), same data order."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+from sdtrain import train as train_module
+from sdtrain.checkpoint import (
+    CheckpointDir,
+    CheckpointError,
+    KeepPolicy,
+    load_weights,
+    strip_prefixes,
+    verify_checkpoint,
+)
+from sdtrain.data import EpochSampler
+from sdtrain.monitor import read_log
+from sdtrain.train import epoch_batches, train
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def per_step(run_dir) -> list[tuple]:
+    records = [r for r in read_log(Path(run_dir) / "log.jsonl") if "loss" in r]
+    return [(r["step"], r["loss"], r["grad_norm"], r["rows_crc"]) for r in records]
+
+
+def assert_same_weights(run_a, run_b) -> None:
+    for name in ("unet", "unet_ema"):
+        a, b = (load_file(Path(r) / "final" / f"{name}.safetensors") for r in (run_a, run_b))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_checkpoints_and_the_rerun_resumes_bitwise(one_rank_run, make_config, tmp_path):
+    reference, _ = one_rank_run
+    config = make_config(tmp_path / "run", sample_every=0)  # grids do not change the training
+    config.to_json(tmp_path / "config.json")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the reference run (conftest)
+    with subprocess.Popen(
+        [sys.executable, "-m", "sdtrain.train", "--config", str(tmp_path / "config.json")],
+        cwd=PROJECT_ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    ) as proc:  # fmt: skip
+        output = []
+        for line in proc.stdout:
+            output.append(line)
+            if line.startswith("step 3/6"):
+                proc.send_signal(signal.SIGTERM)
+    assert proc.returncode == 143, "".join(output)
+    stopped_at = int(os.readlink(tmp_path / "run" / "checkpoints" / "latest")[5:])
+    assert 3 <= stopped_at < 6
+    assert not (tmp_path / "run" / "final").exists()
+
+    summary = train(config)  # the rerun, in this process
+    assert summary["resumed_from_step"] == stopped_at and summary["steps"] == 6
+    # Every step's loss and gradient norm bitwise, and the rows each step trained on.
+    assert per_step(config.run_dir) == per_step(reference.run_dir)
+    assert_same_weights(config.run_dir, reference.run_dir)
+
+    changed = dataclasses.replace(config, grad_accum=1)  # another effective batch
+    with pytest.raises(
+        CheckpointError, match="written by a run with global_batch=16, this run has 8"
+    ):
+        train(changed)
+
+
+def test_a_crash_saves_the_last_finished_step(one_rank_run, make_config, tmp_path, monkeypatch):
+    reference, _ = one_rank_run
+    config = make_config(tmp_path, checkpoint_every=0, keep_every=0, validate_every=0)
+    calls = []
+
+    def failing_draw_noise(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:  # the 2nd micro-batch of step 3
+            raise RuntimeError("disk error")
+        return draw_noise(*args, **kwargs)
+
+    draw_noise = train_module.draw_noise
+    monkeypatch.setattr(train_module, "draw_noise", failing_draw_noise)
+    with pytest.raises(RuntimeError, match="disk error"):
+        train(config)
+    assert os.readlink(tmp_path / "checkpoints" / "latest") == "step-000002"
+
+    monkeypatch.setattr(train_module, "draw_noise", draw_noise)
+    assert train(config)["resumed_from_step"] == 2
+    assert per_step(tmp_path) == per_step(reference.run_dir)
+    assert_same_weights(tmp_path, reference.run_dir)
+
+
+def test_resumed_epochs_continue_at_the_exact_next_sample(phase_dir):
+    """Stopping after any batch and resuming there gives the uninterrupted order: none replayed,
+    none skipped, across epoch boundaries and on every rank."""
+    rows = list(range(30))
+
+    def run(rank, *, start_epoch=0, start_sample=0, stop_after=None):
+        sampler = EpochSampler(len(rows), seed=3, rank=rank, world_size=2)
+        loader = DataLoader(rows, batch_size=4, sampler=sampler, drop_last=True)
+        seen = []
+        batches = epoch_batches(
+            loader,
+            sampler,
+            start_epoch=start_epoch,
+            start_sample=start_sample,
+            num_epochs=3,
+            samples_per_batch=8,
+        )
+        for epoch, done, batch, _ in batches:
+            seen.append(batch.tolist())
+            if len(seen) == stop_after:
+                return seen, (epoch, done)
+        return seen, None
+
+    for rank in (0, 1):
+        full, _ = run(rank)
+        assert len(full) == 3 * 3  # 30 rows -> 15 per rank -> 3 batches of 4 per epoch
+        for k in range(1, len(full)):
+            head, (epoch, done) = run(rank, stop_after=k)
+            tail, _ = run(rank, start_epoch=epoch, start_sample=done)
+            assert head + tail == full
+
+
+def test_keep_policy_rolls_latest_keeps_periodic_and_best(make_config, tmp_path):
+    checkpoints = CheckpointDir(tmp_path, KeepPolicy(checkpoint_every=2, keep_every=4))
+    weights = {"w": torch.zeros(2)}
+    config = make_config(tmp_path)
+    assert [s for s in range(1, 11) if checkpoints.policy.due(s, total_steps=9)] == [
+        2,
+        4,
+        6,
+        8,
+        9,
+        10,
+    ]
+    for step in (2, 4, 6, 8, 10):
+        checkpoints.save(step, is_best=step == 6, unet=weights, unet_ema=weights, config=config)
+    assert checkpoints.steps() == [4, 6, 8, 10]  # 4, 8: periodic; 6: best; 10: latest
+    assert checkpoints.latest().name == "step-000010"
+    assert checkpoints.best().name == "step-000006"
+    checkpoints.save(12, unet=weights, unet_ema=weights, config=config)
+    assert checkpoints.steps() == [4, 6, 8, 12]
+
+
+def test_a_corrupt_checkpoint_is_refused(make_config, tmp_path):
+    checkpoints = CheckpointDir(tmp_path, KeepPolicy(checkpoint_every=1, keep_every=0))
+    weights = {"w": torch.arange(4.0)}
+    directory = checkpoints.save(1, unet=weights, unet_ema=weights, config=make_config(tmp_path))
+    verify_checkpoint(directory)
+    data = bytearray((directory / "unet_ema.safetensors").read_bytes())
+    data[-1] ^= 1
+    (directory / "unet_ema.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="unet_ema.safetensors: missing or corrupt"):
+        verify_checkpoint(directory)
+    (directory / "checksums.json").unlink()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        verify_checkpoint(directory)
+
+
+def test_weights_load_whatever_wrapper_saved_them(tmp_path):
+    from safetensors.torch import save_file
+
+    names = [
+        "module.conv_in.weight",
+        "_orig_mod.conv_in.bias",
+        "unet.time_embedding.linear_1.weight",
+        "module._orig_mod.conv_out.weight",
+        "_fsdp_wrapped_module.down_blocks.0._fsdp_wrapped_module.resnets.0.conv1.weight",
+        "mid_block.resnets.0.norm1.weight",
+    ]
+    wrapped = {name: torch.ones(1) for name in names}
+    assert sorted(strip_prefixes(wrapped)) == [
+        "conv_in.bias",
+        "conv_in.weight",
+        "conv_out.weight",
+        "down_blocks.0.resnets.0.conv1.weight",
+        "mid_block.resnets.0.norm1.weight",
+        "time_embedding.linear_1.weight",
+    ]
+    save_file(wrapped, str(tmp_path / "w.safetensors"))
+    torch.save(wrapped, tmp_path / "w.pt")
+    assert load_weights(tmp_path / "w.safetensors").keys() == strip_prefixes(wrapped).keys()
+    assert load_weights(tmp_path / "w.pt").keys() == strip_prefixes(wrapped).keys()
