@@ -1,8 +1,9 @@
 """build-latents: every data stage for one source, one Prefect task run per shard.
 
-fetch-metadata -> filter -> fetch-images -> filter-pixels -> tokenize -> encode. Global
-stages (filter, filter-pixels) wait for every shard before them; per-shard stages run for the
-shards whose inputs finished, so one bad shard costs only its own chain.
+fetch-metadata -> filter -> fetch-images -> [score] -> filter-pixels -> views -> tokenize ->
+encode; score runs when the source's profile names a scorer. Global stages (filter,
+filter-pixels) wait for every shard before them; per-shard stages run for the shards whose
+inputs finished, so one bad shard costs only its own chain.
 """
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
-from flows.stages import DISPLAY, StageFailed, run_stage
-from tasks import demo_source, encode, fetch_images, filter, metadata, shards, tokenize
+from flows.stages import DISPLAY, StageFailed, publish_waterfall, run_stage
+from tasks import (
+    demo_source,
+    encode,
+    fetch_images,
+    filter,
+    metadata,
+    score,
+    shards,
+    tokenize,
+    views,
+)
 from tasks.metadata import SourceError
 from tasks.shards import read_stats, summarize
 
-STAGES = ("metadata", "filtered", "shards", "selected", "tokens", "latents")
+STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
 
 
 def preflight(source_name: str) -> tuple[Catalog, Source]:
@@ -34,8 +45,14 @@ def preflight(source_name: str) -> tuple[Catalog, Source]:
 
 
 def source_summary(root: Path, source: str) -> dict[str, dict]:
-    """Per stage: samples in / out and drops by reason, read from the stats records on disk."""
-    return {stage: summarize(read_stats(root, source, stage)) for stage in STAGES}
+    """Per stage: samples in / out and drops by reason, read from the stats records on disk.
+
+    The score stage is listed only for sources that have one.
+    """
+    records = {stage: read_stats(root, source, stage) for stage in STAGES}
+    return {
+        stage: summarize(stats) for stage, stats in records.items() if stats or stage != score.STAGE
+    }
 
 
 @flow(name="build-latents", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
@@ -62,6 +79,7 @@ def run_source(root: Path, catalog: Catalog, src: Source) -> None:
     name = src.name
     profile = catalog.profile(src.profile)
     model = catalog.model(src.model)
+    scored = bool(profile.scorer)
     failures: list[str] = []
 
     def stage(stage_name: str, units: dict, *, needs_all: bool = False) -> dict[str, dict]:
@@ -90,6 +108,8 @@ def run_source(root: Path, catalog: Catalog, src: Source) -> None:
         },
         needs_all=True,
     )
+    filtered_dir = root / name / "filtered"
+    publish_waterfall(name, filtered_dir / "waterfall.json", filtered_dir / "gallery.html")
     shard_names = sorted(p.stem for p in (root / name / "filtered").glob("[0-9]*.parquet"))
     server = (
         demo_source.serve_mirror(root / name / "mirror")
@@ -97,7 +117,7 @@ def run_source(root: Path, catalog: Catalog, src: Source) -> None:
         else contextlib.nullcontext()
     )
     with server:
-        stage(
+        fetched = stage(
             "shards",
             {
                 s: functools.partial(
@@ -111,11 +131,24 @@ def run_source(root: Path, catalog: Catalog, src: Source) -> None:
                 for s in shard_names
             },
         )
+    if scored:
+        spec = catalog.scorer(profile.scorer)
+        stage(
+            "scores",
+            {s: functools.partial(score.score_shard, root, name, s, spec) for s in fetched},
+        )
     stage(
         "selected",
-        {filter.ALL: functools.partial(filter.select_pixels, root, name, profile)},
+        {filter.ALL: functools.partial(filter.select_pixels, root, name, profile, scored=scored)},
         needs_all=True,
     )
+    selected_dir = root / name / "selected"
+    publish_waterfall(name, selected_dir / "waterfall.json", selected_dir / "gallery.html")
+    datasets = sorted(d.name for d in catalog.datasets.values() if d.source == name)
+    stage("views", {d: functools.partial(views.build_view, root, catalog, d) for d in datasets})
+    for d in datasets:
+        paths = views.view_paths(root, name, d)
+        publish_waterfall(name, paths["waterfall"], paths["gallery"])
     tokenized = stage(
         "tokens",
         {s: functools.partial(tokenize.tokenize_shard, root, name, s) for s in shard_names},

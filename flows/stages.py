@@ -8,12 +8,14 @@ only the shards that failed. Stage logic lives in `tasks/`; nothing here decides
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import (
+    create_markdown_artifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
@@ -22,14 +24,17 @@ from prefect.filesystems import LocalFileSystem
 from prefect.futures import as_completed
 
 from tasks.shards import ShardStats
+from tasks.waterfall import MAX_SAMPLES, Waterfall
 
 # Bump a stage's version when its output changes meaning: cached results of older versions
 # are then ignored.
 STAGE_VERSIONS = {
     "metadata": 1,
-    "filtered": 1,
+    "filtered": 2,
     "shards": 1,
-    "selected": 1,
+    "scores": 1,
+    "selected": 2,
+    "views": 1,
     "tokens": 1,
     "latents": 1,
 }
@@ -40,7 +45,9 @@ DISPLAY = {
     "metadata": "fetch-metadata",
     "filtered": "filter",
     "shards": "fetch-images",
+    "scores": "score",
     "selected": "filter-pixels",
+    "views": "views",
     "tokens": "tokenize",
     "latents": "encode",
 }
@@ -156,4 +163,37 @@ def publish_counts(source: str, name: str, done: dict[str, dict]) -> None:
         rows,
         key=f"{source}-{name}-counts",
         description=f"{name} {source}: samples in, out and dropped by reason",
+    )
+
+
+def artifact_key(*parts: str) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+def publish_waterfall(source: str, report: Path, gallery: Path) -> None:
+    """The filter waterfall as a table artifact, and a markdown artifact linking its gallery."""
+    if not report.exists():  # the stage failed before writing it; its failure is reported
+        return
+    wf = Waterfall.read(report)
+    what = f"{wf.stage} {source} (profile {wf.profile})"
+    create_table_artifact(
+        wf.table(),
+        key=artifact_key(source, wf.stage, "waterfall"),
+        description=f"{what}: rows removed per rule, alone and in sequence",
+    )
+    shown = sum(len(v) for v in wf.samples.values())
+    create_markdown_artifact(
+        "\n".join(
+            [
+                f"# {what}: what the rules threw away",
+                f"{wf.num_in} in, {wf.num_out} kept. Gallery of {shown} rejected samples "
+                f"(up to {MAX_SAMPLES} per rule: thumbnail, caption, scores): [{gallery.name}]"
+                f"({gallery.as_uri()})",
+                "",
+                f"`{gallery}`",
+            ]
+        ),
+        key=artifact_key(source, wf.stage, "gallery"),
+        description=f"{what}: rejected samples per rule",
     )

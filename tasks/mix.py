@@ -1,8 +1,8 @@
 """mix: a phase's seeded sample of its datasets -> `phases/<phase>/` symlink set + manifest.
 
-A dataset is a view: the encoded samples of its source whose sample-table rows pass its
-profile (the same SQL rules as the filter stage). The phase folder is built under a hidden
-temporary name and swapped into place, so a reader never sees half a phase set.
+A dataset is a view: the encoded samples of its source whose keys its materialized view keeps
+(`tasks.views`: the filter's SQL over the source's selection). The phase folder is built under
+a hidden temporary name and swapped into place, so a reader never sees half a phase set.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import Catalog, Phase
-from tasks.filter import rules
+from tasks import views
 from tasks.shards import TMP_MARK, clean_temporaries, read_stats
 
 
@@ -47,21 +47,20 @@ def encoded_samples(root: Path, source: str) -> pa.Table:
 
 
 def dataset_view(root: Path, catalog: Catalog, dataset: str) -> pa.Table:
-    """The encoded samples of a dataset: its source's samples that pass its profile."""
+    """The encoded samples of a dataset: its materialized view's keys (`tasks.views`, built or
+    refreshed here when missing or stale) that its source encoded."""
     ds = catalog.dataset(dataset)
     encoded = encoded_samples(root, ds.source)
-    tables = sorted(str(p) for p in (root / ds.source / "shards").glob("[0-9]*.parquet"))
-    if encoded.num_rows == 0 or not tables:
+    if encoded.num_rows == 0:
         return encoded.append_column("dataset", pa.array([], pa.string()))
-    conditions = [f"NOT coalesce({cond}, false)" for _, cond in rules(catalog.profile(ds.profile))]
     con = duckdb.connect()
     con.register("encoded", encoded)
-    con.sql(f"CREATE VIEW samples AS SELECT * FROM read_parquet({tables!r}, union_by_name=true)")
-    where = " AND ".join(conditions) or "true"
-    view = con.sql(f"""
-        SELECT e.*, '{dataset}' AS dataset FROM encoded e JOIN samples USING (key)
-        WHERE {where} ORDER BY e.shard, e.latent_row
-    """).arrow()
+    con.register("view_keys", views.view_keys(root, catalog, dataset))
+    view = con.sql(
+        "SELECT e.*, $dataset AS dataset FROM encoded e JOIN view_keys USING (key) "
+        "ORDER BY e.shard, e.latent_row",
+        params={"dataset": dataset},
+    ).arrow()
     return view.read_all() if hasattr(view, "read_all") else view
 
 

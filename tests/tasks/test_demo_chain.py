@@ -1,7 +1,8 @@
 """Every data stage, called directly, on a small demo mirror with planted faults.
 
-The module fixture runs the chain once (metadata -> filter -> fetch -> select -> tokenize ->
-encode); the tests read what it left on disk, the way the trainer and the dashboard do.
+The module fixture runs the chain once (metadata -> filter -> fetch -> score -> select ->
+tokenize -> encode); the tests read what it left on disk, the way the trainer and the dashboard
+do. The demo is scored by the tiny twins; its thresholds read the demo metadata's scores.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from PIL import Image
 
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
-from tasks import demo_source, encode, fetch_images, metadata, tokenize
+from tasks import demo_source, encode, fetch_images, metadata, score, tokenize
 from tasks import filter as filter_stage
 from tasks.shards import TMP_MARK, read_stats, summarize
 
-STAGES = ("metadata", "filtered", "shards", "selected", "tokens", "latents")
+STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
 
 
-def run_chain(root: Path, source, profile, model) -> None:
+def run_chain(root: Path, source, profile, model, scorer) -> None:
     """The stages of build-latents, in order, as the flow calls them (minus Prefect)."""
     for i, location in enumerate(metadata.list_metadata_files(root, source)):
         metadata.fetch_metadata_shard(root, source, i, location)
@@ -49,7 +50,9 @@ def run_chain(root: Path, source, profile, model) -> None:
         ThreadPoolExecutor(max_workers=2) as pool,
     ):
         list(pool.map(fetch, shards))
-    filter_stage.select_pixels(root, source.name, profile)
+    for s in shards:
+        score.score_shard(root, source.name, s, scorer, device="cpu")
+    filter_stage.select_pixels(root, source.name, profile, scored=True)
     for s in shards:
         tokenize.tokenize_shard(root, source.name, s)
     for s in shards:
@@ -66,13 +69,15 @@ def chain(tmp_path_factory):
     )
     root = tmp_path_factory.mktemp("data")
     profile, model = catalog.profile(source.profile), catalog.model(source.model)
-    run_chain(root, source, profile, model)
+    scorer = catalog.scorer(profile.scorer)
+    run_chain(root, source, profile, model, scorer)
     shards = sorted(p.stem for p in (root / source.name / "filtered").glob("[0-9]*.parquet"))
     return SimpleNamespace(
         root=root,
         source=source,
         profile=profile,
         model=model,
+        scorer=scorer,
         name=source.name,
         shards=shards,
         dir=root / source.name,
@@ -196,7 +201,8 @@ def test_rerun_skips_every_stage_and_rewrites_nothing(chain):
         )
         for s in chain.shards
     ]
-    results.append(filter_stage.select_pixels(chain.root, chain.name, chain.profile))
+    results += [score.score_shard(chain.root, chain.name, s, chain.scorer) for s in chain.shards]
+    results.append(filter_stage.select_pixels(chain.root, chain.name, chain.profile, scored=True))
     results += [tokenize.tokenize_shard(chain.root, chain.name, s) for s in chain.shards]
     results += [encode.encode_shard(chain.root, chain.name, s, chain.model) for s in chain.shards]
     assert all(r.skipped for r in results), [r.stage for r in results if not r.skipped]
@@ -205,3 +211,20 @@ def test_rerun_skips_every_stage_and_rewrites_nothing(chain):
 
 def test_no_hidden_temporaries_remain(chain):
     assert [p for p in chain.root.rglob("*") if TMP_MARK in p.name] == []
+
+
+def test_every_fetched_image_is_scored_and_the_waterfalls_add_up(chain):
+    for shard in chain.shards:
+        table = pq.read_table(chain.dir / "shards" / f"{shard}.parquet").to_pylist()
+        fetched = sorted(r["key"] for r in table if r["status"] == "success")
+        scored = pq.read_table(chain.dir / "scores" / f"{shard}.parquet")
+        assert scored["key"].to_pylist() == fetched
+        assert scored.schema.field("phash").type.bit_width == 64
+    for stage in ("filtered", "selected"):
+        report = json.loads((chain.dir / stage / "waterfall.json").read_text())
+        removed = sum(s["removed"] for s in report["steps"])
+        assert report["num_in"] - removed == report["num_out"]
+        assert {s["rule"]: s["removed"] for s in report["steps"] if s["removed"]} == (
+            stage_summary(chain, stage)["dropped"]
+        )
+        assert (chain.dir / stage / "gallery.html").exists()

@@ -1,0 +1,200 @@
+"""Filter throughput: the recipe's phase-1 profile (laion-broad) + URL dedup on LAION-like rows.
+
+Generates a LAION-like metadata parquet once (cached), then times the filter stage as a flow
+runs it (`tasks.filter.filter_metadata`: rules, waterfall, dedup, gallery, sharded output) and
+the same decisions + output in pandas, on the same file in the same run. Prints one JSON object.
+Usage: python bench/filter.py [--rows N] [--repeat R] [--cache-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+GENERATOR_VERSION = 1
+
+
+def _hex(rng: np.random.Generator, n: int, num_bytes: int) -> pa.Array:
+    raw = rng.integers(0, 256, (n, num_bytes), dtype=np.uint8)
+    digits = np.frombuffer(b"0123456789abcdef", np.uint8)
+    chars = np.empty((n, 2 * num_bytes), np.uint8)
+    chars[:, 0::2], chars[:, 1::2] = digits[raw >> 4], digits[raw & 15]
+    fixed = pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(2 * num_bytes), n, [None, pa.py_buffer(chars.tobytes())]
+    )
+    return fixed.cast(pa.binary()).cast(pa.string())
+
+
+def laion_like(n: int, seed: int = 0) -> pa.Table:
+    """The normalized sample table of LAION metadata, with LAION's score distributions roughly,
+    3% repeated URLs, blank/missing URLs, NaN scores and missing or negative sizes."""
+    rng = np.random.default_rng(seed)
+    hosts = rng.choice(["img", "cdn", "media", "static", "i"], 20_000)
+    tlds = rng.choice(["com", "net", "org", "co.uk", "de"], 20_000)
+    domains = pa.array(
+        [f"https://{h}{i}.example.{t}/" for i, (h, t) in enumerate(zip(hosts, tlds, strict=True))]
+    )
+    folders = pa.array(["images/", "uploads/2019/05/", "wp-content/uploads/", "photo/", "p/l/"])
+    url = pc.binary_join_element_wise(
+        pc.take(domains, pa.array(np.minimum(rng.zipf(1.3, n) - 1, 19_999))),
+        pc.take(folders, pa.array(rng.integers(0, 5, n))),
+        _hex(rng, n, 16),
+        pa.scalar(".jpg"),
+        "",
+    )
+    repeated = np.flatnonzero(rng.random(n) < 0.03)
+    source_row = np.arange(n)
+    source_row[repeated] = (rng.random(repeated.size) * repeated).astype(np.int64)
+    url = pc.take(url, pa.array(source_row))
+    u = rng.random(n)
+    url = pc.if_else(pa.array(u < 0.0005), pa.scalar(None, pa.string()), url)
+    url = pc.if_else(pa.array((u >= 0.0005) & (u < 0.001)), pa.scalar("  "), url)
+    words = np.array([f"word{i}" for i in range(5000)])
+    captions = pa.array([" ".join(rng.choice(words, rng.integers(3, 20))) for _ in range(50_000)])
+
+    def with_nan(x: np.ndarray, fraction: float = 0.01) -> np.ndarray:
+        x[rng.random(n) < fraction] = np.nan
+        return x
+
+    width = with_nan(np.round(np.exp(rng.normal(6.5, 0.6, n))), 0.005)
+    width[rng.random(n) < 0.001] = -1.0
+    return pa.table(
+        {
+            "key": pc.utf8_lpad(pc.cast(pa.array(np.arange(n)), pa.string()), 12, "0"),
+            "source": pa.DictionaryArray.from_arrays(
+                pa.array(np.zeros(n, np.int32)), pa.array(["laion"])
+            ).cast(pa.string()),
+            "url": url,
+            "caption": pc.take(captions, pa.array(rng.integers(0, 50_000, n))),
+            "width": width,
+            "height": with_nan(np.round(np.exp(rng.normal(6.4, 0.6, n))), 0.005),
+            "similarity": with_nan(rng.normal(0.31, 0.035, n)),
+            "punsafe": with_nan(rng.beta(0.4, 8, n)),
+            "pwatermark": with_nan(rng.beta(0.7, 3, n)),
+            "aesthetic": with_nan(rng.normal(5.6, 0.75, n)),
+            "hash": rng.integers(-(2**62), 2**62, n),
+        }
+    )
+
+
+def cached_file(rows: int, cache_dir: Path) -> Path:
+    path = cache_dir / f"laion-like-{rows}-v{GENERATOR_VERSION}.parquet"
+    if not path.exists():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        pq.write_table(laion_like(rows), tmp, row_group_size=256 * 1024)
+        os.replace(tmp, path)
+    return path
+
+
+def pandas_filter(path: Path, profile, out_dir: Path, samples_per_shard: int) -> dict:
+    """The stage's decisions in pandas: first failing rule, each rule alone, URL dedup among the
+    rows that pass (smallest key kept), kept rows written as key-ordered shards."""
+    import pandas as pd
+
+    df = pd.read_parquet(path)
+    url = df["url"]
+    side = np.fmin(df["width"].where(df["width"] > 0), df["height"].where(df["height"] > 0))
+    fails = {
+        "missing_url": (url.isna() | (url.str.strip() == "")).to_numpy(),
+        "too_small": (side < profile.min_side).to_numpy(),
+    }
+    for column, bound, low, high in (
+        ("aesthetic", profile.min_aesthetic, None, 10.0),
+        ("similarity", profile.min_similarity, None, 1.0),
+        ("pwatermark", None, 0.0, profile.max_pwatermark),
+        ("punsafe", None, 0.0, profile.max_punsafe),
+    ):
+        low = bound if low is None else low
+        x = df[column]
+        fails[column] = (~((x >= low) & (x <= high))).to_numpy()
+    code = np.select(list(fails.values()), list(range(1, len(fails) + 1)), 0)
+    dropped = {r: int((code == i + 1).sum()) for i, r in enumerate(fails)}
+    alone = {r: int(f.sum()) for r, f in fails.items()}
+    passing = df[code == 0].sort_values("key")
+    dup = passing["url"].duplicated()
+    dropped["duplicate_url"], alone["duplicate_url"] = int(dup.sum()), int(dup.sum())
+    kept = passing[~dup]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i, start in enumerate(range(0, len(kept), samples_per_shard)):
+        kept.iloc[start : start + samples_per_shard].to_parquet(out_dir / f"{i:05d}.parquet")
+    return {"kept": len(kept), "dropped": dropped, "alone": alone}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/sdpipe/bench")
+    args = parser.parse_args()
+    from catalog import load_catalog
+    from tasks import filter as filter_stage
+
+    catalog = load_catalog()
+    source = catalog.source("laion")
+    profile = catalog.profile(source.profile)  # phase-1's dataset laion-broad
+    start = time.perf_counter()
+    path = cached_file(args.rows, args.cache_dir)
+    generate_s = time.perf_counter() - start
+
+    work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-filter-"))
+    (work / "laion" / "metadata").mkdir(parents=True)
+    (work / "laion" / "metadata" / "00000.parquet").symlink_to(path)
+    duck_s, duck_cpu, pandas_s = [], [], []
+    try:
+        for _ in range(args.repeat):
+            shutil.rmtree(work / "laion" / "filtered", ignore_errors=True)
+            start, cpu = time.perf_counter(), time.process_time()
+            stats = filter_stage.filter_metadata(work, "laion", profile, source.samples_per_shard)
+            duck_s.append(time.perf_counter() - start)
+            duck_cpu.append(time.process_time() - cpu)
+        start = time.perf_counter()
+        reference = pandas_filter(path, profile, work / "pandas", source.samples_per_shard)
+        pandas_s.append(time.perf_counter() - start)
+    finally:
+        shutil.rmtree(work)
+    if reference["dropped"] != stats.dropped or reference["kept"] != stats.num_out:
+        raise SystemExit(f"pandas and DuckDB disagree: {reference} vs {stats.dropped}")
+    best = min(duck_s)
+    print(
+        json.dumps(
+            {
+                "bench": "filter",
+                "rows": args.rows,
+                "profile": profile.name,
+                "dedup": "url",
+                "seconds": round(best, 3),
+                "seconds_all": [round(s, 3) for s in duck_s],
+                # CPU seconds of the best run (both cores): wall time well above cpu / 2 means
+                # other processes were competing for the cores.
+                "cpu_seconds": round(duck_cpu[duck_s.index(best)], 3),
+                "rows_per_s": round(args.rows / best),
+                "pandas_seconds": round(pandas_s[0], 3),
+                "speedup_vs_pandas": round(pandas_s[0] / best, 1),
+                "kept": stats.num_out,
+                "dropped": stats.dropped,
+                "generate_seconds": round(generate_s, 1),
+                "file_mb": round(path.stat().st_size / 2**20),
+                "machine": f"{platform.machine()} {os.cpu_count()} cores",
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The filter waterfall: counts that add up, written next to the outputs with a gallery of what
+each rule threw away, and a clean zero-row report for an empty input."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from catalog import FilterProfile
+from tasks import filter as filter_stage
+from tasks.waterfall import MAX_SAMPLES, Waterfall
+
+PROFILE = FilterProfile(
+    name="recipe",
+    min_aesthetic=6.5,
+    min_similarity=0.28,
+    max_pwatermark=0.5,
+    max_punsafe=0.5,
+    min_side=512,
+    dedup=("url",),
+)
+
+
+def row(key: str, **overrides) -> dict:
+    fields = {
+        "key": key,
+        "url": f"http://x/{key}.jpg",
+        "caption": f"<b>caption</b> {key}",
+        "width": 800.0,
+        "height": 600.0,
+        "similarity": 0.3,
+        "punsafe": 0.1,
+        "pwatermark": 0.1,
+        "aesthetic": 7.0,
+    }
+    fields.update(overrides)
+    return fields
+
+
+def write_metadata(root, rows) -> None:
+    (root / "src" / "metadata").mkdir(parents=True)
+    schema = pa.Table.from_pylist([row("schema")]).schema
+    pq.write_table(
+        pa.Table.from_pylist(rows, schema=schema), root / "src" / "metadata" / "0.parquet"
+    )
+
+
+def test_counts_alone_and_in_sequence_add_up(tmp_path):
+    rows = (
+        [row(f"ok{i}") for i in range(3)]
+        + [row(f"small{i}", width=100.0, aesthetic=1.0) for i in range(2)]  # fails two rules
+        + [row(f"ugly{i}", aesthetic=2.0) for i in range(20)]
+        + [row(f"dup{i}", url="http://x/ok0.jpg") for i in range(4)]
+        + [row("dupugly", url="http://x/ok0.jpg", aesthetic=2.0)]
+    )
+    write_metadata(tmp_path, rows)
+    stats = filter_stage.filter_metadata(tmp_path, "src", PROFILE, 100)
+    wf = Waterfall.read(tmp_path / "src" / "filtered" / "waterfall.json")
+    steps = {s.rule: s for s in wf.steps}
+    assert [s.rule for s in wf.steps] == [
+        "missing_url", "too_small", "aesthetic", "similarity", "pwatermark", "punsafe",
+        "duplicate_key", "duplicate_url",
+    ]  # fmt: skip
+    assert (steps["too_small"].alone, steps["too_small"].removed) == (2, 2)
+    assert (steps["aesthetic"].alone, steps["aesthetic"].removed) == (23, 21)
+    # The copy of ok0's URL that fails aesthetic is not a duplicate: it was dropped already.
+    assert (steps["duplicate_url"].alone, steps["duplicate_url"].removed) == (4, 4)
+    assert wf.num_in == len(rows) == wf.num_out + sum(s.removed for s in wf.steps)
+    assert [s.remaining for s in wf.steps][-1] == wf.num_out == stats.num_out == 3
+    assert stats.dropped == {r: s.removed for r, s in steps.items() if s.removed}
+    assert wf.table()[0] == {"rule": "input", "alone": 0, "in sequence": 0, "remaining": 30}
+
+
+def test_gallery_shows_up_to_16_rejected_samples_per_reason(tmp_path):
+    write_metadata(tmp_path, [row("ok")] + [row(f"ugly{i:02d}", aesthetic=2.0) for i in range(20)])
+    filter_stage.filter_metadata(tmp_path, "src", PROFILE, 100)
+    out = tmp_path / "src" / "filtered"
+    samples = json.loads((out / "waterfall.json").read_text())["samples"]
+    assert [s["key"] for s in samples["aesthetic"]] == [f"ugly{i:02d}" for i in range(MAX_SAMPLES)]
+    page = (out / "gallery.html").read_text()
+    assert page.count("class='card'") == MAX_SAMPLES
+    assert "&lt;b&gt;caption&lt;/b&gt; ugly00" in page  # captions are escaped
+    assert "http://x/ugly00.jpg" in page  # before download, the image is its URL
+    assert "aesthetic=2" in page
+
+
+def test_pixel_gallery_embeds_thumbnails_of_the_fetched_images(fetched, scene, tmp_path):
+    rows = [
+        {"key": "big", "caption": "kept", "width": 600, "height": 600, "image": scene(0)},
+        {"key": "tiny", "caption": "too small", "width": 90, "height": 90, "image": scene(1)},
+    ]
+    fetched(tmp_path, "src", rows)
+    profile = FilterProfile(name="size", min_side=512, dedup=("sha256",))
+    stats = filter_stage.select_pixels(tmp_path, "src", profile)
+    assert stats.dropped == {"too_small": 1}
+    page = (tmp_path / "src" / "selected" / "gallery.html").read_text()
+    assert page.count("data:image/jpeg;base64,") == 1
+
+
+def test_empty_metadata_folder_gives_a_zero_row_report(tmp_path):
+    (tmp_path / "src" / "metadata").mkdir(parents=True)
+    stats = filter_stage.filter_metadata(tmp_path, "src", PROFILE, 100)
+    assert (stats.num_in, stats.num_out, stats.dropped) == (0, 0, {})
+    wf = Waterfall.read(tmp_path / "src" / "filtered" / "waterfall.json")
+    assert wf.num_in == wf.num_out == 0 and all(s.removed == 0 for s in wf.steps)
+    assert (tmp_path / "src" / "filtered" / "gallery.html").exists()
+
+
+def test_no_fetched_shards_gives_a_zero_row_report(tmp_path):
+    profile = FilterProfile(name="all-levels", dedup=("sha256", "phash", "semantic"))
+    stats = filter_stage.select_pixels(tmp_path, "src", profile, scored=True)
+    assert (stats.num_in, stats.num_out, stats.dropped) == (0, 0, {})
+    wf = Waterfall.read(tmp_path / "src" / "selected" / "waterfall.json")
+    assert [s.rule for s in wf.steps][-2:] == ["duplicate_phash", "duplicate_semantic"]
