@@ -1,0 +1,297 @@
+"""Image bytes -> RGB uint8 [size, size, 3] by one stated rule per kind of input; decode workers.
+
+A JPEG whose short side is at least 2, 4 or 8 times `size` is decoded reduced in the DCT
+domain (libjpeg scaling, the same pixels as PIL's `draft`) before the resize: the reduced
+decode is part of the transform, not an approximation of it. Workers are plain
+`python -m tasks.images` processes, so this module imports neither torch nor sdpipe.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+# The rules, in the order they are applied (a reason is what the stats record counts):
+# - bytes no decoder reads -> dropped, `decode_error`
+# - JPEG with no end marker after its last scan, PNG with no IEND chunk, WebP shorter than its
+#   RIFF header says -> dropped, `truncated`
+# - JPEG: EXIF orientation applied; grayscale and CMYK/YCCK converted to RGB by libjpeg/OpenCV
+#   (on the stored, Adobe-inverted samples C', K': R = K' - ((255 - C') K' >> 8), i.e.
+#   (255 - C)(255 - K) / 255 to within a level)
+# - other formats (PNG, WebP, GIF, BMP, TIFF) as stored (no EXIF orientation); palette
+#   expanded; 16-bit samples keep their high byte; alpha composited over white (as img2dataset
+#   does for URL sources); samples that are not 8/16-bit integers -> dropped, `unsupported_depth`
+# - aspect ratio above MAX_ASPECT (the resized long side would be huge) -> dropped,
+#   `extreme_aspect`
+# - an image whose decode kills the worker process -> dropped, `decoder_crash` (DecodePool)
+# - then: short side resized to `size` (INTER_AREA down, INTER_CUBIC up), center crop.
+MAX_ASPECT = 64
+REDUCED_FLAGS = {
+    2: cv2.IMREAD_REDUCED_COLOR_2,
+    4: cv2.IMREAD_REDUCED_COLOR_4,
+    8: cv2.IMREAD_REDUCED_COLOR_8,
+}
+
+_JPEG_SOS, _JPEG_EOI = b"\xff\xda", b"\xff\xd9"
+_PNG_IEND = b"IEND\xaeB`\x82"  # the IEND chunk type and its (constant) CRC
+
+
+class Unusable(Exception):
+    """An image this stage drops; `reason` is what the shard's stats count it under."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def sniff(data: bytes) -> str:
+    """The container format from the leading bytes (file names and extensions lie)."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return "other"
+
+
+def is_truncated(data: bytes, fmt: str) -> bool:
+    if fmt == "jpeg":
+        # 0xFFD9 cannot occur inside entropy-coded data (0xFF is stuffed), and an EXIF
+        # thumbnail's own EOI lies before the main image's last scan.
+        end = data.rfind(_JPEG_EOI)
+        return end < 0 or end < data.rfind(_JPEG_SOS)
+    if fmt == "png":
+        return _PNG_IEND not in data
+    if fmt == "webp":
+        return len(data) < 8 + int.from_bytes(data[4:8], "little")
+    return False
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from the JPEG frame header, without decoding; None if not found."""
+    i, n = 2, len(data)
+    while i + 9 < n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        # SOF0..SOF15, except DHT (C4), JPG (C8) and DAC (CC), carry the frame size.
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            height = int.from_bytes(data[i + 5 : i + 7], "big")
+            width = int.from_bytes(data[i + 7 : i + 9], "big")
+            return width, height
+        i += 2 + length
+    return None
+
+
+def reduction(short_side: int, size: int) -> int:
+    """The DCT reduction of a JPEG: the largest of 8, 4, 2 that keeps the short side >= size."""
+    return next((k for k in (8, 4, 2) if short_side >= k * size), 1)
+
+
+def decode_rgb(data: bytes, size: int) -> np.ndarray:
+    """Decoded RGB uint8 [h, w, 3] by the rules above (not yet resized); raises Unusable."""
+    fmt = sniff(data)
+    if is_truncated(data, fmt):
+        raise Unusable("truncated")
+    buf = np.frombuffer(data, np.uint8)
+    if fmt == "jpeg":
+        dims = jpeg_size(data)
+        k = reduction(min(dims), size) if dims else 1
+        bgr = cv2.imdecode(buf, REDUCED_FLAGS[k] if k > 1 else cv2.IMREAD_COLOR)
+        if bgr is None:
+            raise Unusable("decode_error")
+        return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    img = cv2.imdecode(buf, cv2.IMREAD_UNCHANGED)
+    if img is None:
+        raise Unusable("decode_error")
+    if img.dtype == np.uint16:
+        img = (img >> 8).astype(np.uint8)
+    elif img.dtype != np.uint8:
+        raise Unusable("unsupported_depth")
+    if img.ndim == 2 or img.shape[2] == 1:
+        return cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
+    if img.shape[2] == 4:
+        alpha = img[:, :, 3:].astype(np.uint32)
+        over_white = (img[:, :, :3] * alpha + 255 * (255 - alpha) + 127) // 255
+        return cv2.cvtColor(over_white.astype(np.uint8), cv2.COLOR_BGR2RGB)
+    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+
+
+def fit(rgb: np.ndarray, size: int) -> np.ndarray:
+    """Short side resized to `size`, then the center `size` x `size` crop."""
+    h, w = rgb.shape[:2]
+    if max(h, w) > MAX_ASPECT * min(h, w):
+        raise Unusable("extreme_aspect")
+    scale = size / min(h, w)
+    new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
+    if (new_w, new_h) != (w, h):
+        interpolation = cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC
+        rgb = cv2.resize(rgb, (new_w, new_h), interpolation=interpolation)
+    top, left = (new_h - size) // 2, (new_w - size) // 2
+    return np.ascontiguousarray(rgb[top : top + size, left : left + size])
+
+
+def decode_image(data: bytes, size: int) -> np.ndarray:
+    """RGB uint8 [size, size, 3] of an image's bytes; raises Unusable with the drop reason."""
+    try:
+        return fit(decode_rgb(data, size), size)
+    except cv2.error:
+        raise Unusable("decode_error") from None
+
+
+def decode_rows(
+    items: list[tuple[int, bytes]], size: int
+) -> tuple[list[int], np.ndarray, dict[int, str]]:
+    """Decode worker task: (rows decoded, their pixels [n, size, size, 3], reason per dropped row).
+
+    Whatever one image raises drops that image only: the shard goes on.
+    """
+    rows, pixels, dropped = [], [], {}
+    for row, data in items:
+        try:
+            pixels.append(decode_image(data, size))
+            rows.append(row)
+        except Unusable as e:
+            dropped[row] = e.reason
+        except Exception:  # a decoder's unforeseen failure is one bad image, not a bad shard
+            dropped[row] = "decode_error"
+    stacked = np.stack(pixels) if pixels else np.zeros((0, size, size, 3), np.uint8)
+    return rows, stacked, dropped
+
+
+# ---- decode workers --------------------------------------------------------------------------
+
+WORKER_COMMAND = (sys.executable, "-m", "tasks.images")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def serve() -> None:
+    """A worker's loop: pickled (items, size) on stdin, `decode_rows` results on stdout."""
+    # Parallelism comes from the worker processes; cv2's own threads would oversubscribe.
+    cv2.setNumThreads(1)
+    # The protocol gets a private copy of stdout; fd 1 goes to stderr, so whatever a C
+    # library prints cannot corrupt it.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+    while True:
+        try:
+            items, size = pickle.load(requests)
+        except EOFError:  # the parent closed our stdin, or died
+            return
+        pickle.dump(decode_rows(items, size), out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
+
+
+class WorkerDied(Exception):
+    pass
+
+
+class _Worker:
+    def __init__(self, command: tuple[str, ...]):
+        path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path},
+        )
+
+    def call(self, items: list[tuple[int, bytes]], size: int):
+        try:
+            pickle.dump((items, size), self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proc.stdin.flush()
+            return pickle.load(self.proc.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            self.proc.kill()
+            self.proc.wait()
+            raise WorkerDied(f"decode worker exited with {self.proc.returncode}") from e
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+class DecodePool:
+    """Decode worker processes fed over pipes, one feeding thread per worker.
+
+    Not multiprocessing: a worker needs neither fork nor the parent's main module, and it
+    exits when its stdin closes, so a killed parent leaves no orphans. A worker that dies in a
+    task (a decoder crash) is replaced and the task's images retried one at a time: the image
+    that kills a worker on its own is dropped as `decoder_crash`, the others are kept.
+    """
+
+    def __init__(self, num_workers: int, command: tuple[str, ...] = WORKER_COMMAND):
+        self.command = command
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._serve, name=f"decode-{i}", daemon=True)
+            for i in range(num_workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, items: list[tuple[int, bytes]], size: int) -> Future:
+        """A future of `decode_rows(items, size)`, computed in a worker."""
+        future: Future = Future()
+        self.tasks.put((future, items, size))
+        return future
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.tasks.put(None)
+        for t in self.threads:
+            t.join()
+
+    def _serve(self) -> None:
+        worker = None
+        while (task := self.tasks.get()) is not None:
+            future, items, size = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                try:
+                    worker = worker or _Worker(self.command)
+                    result = worker.call(items, size)
+                except WorkerDied:
+                    worker = None
+                    result = self._one_at_a_time(items, size)
+                future.set_result(result)
+            except BaseException as e:  # e.g. no process could be started: fail the task
+                future.set_exception(e)
+        if worker is not None:
+            worker.close()
+
+    def _one_at_a_time(self, items, size):
+        rows, pixels, dropped = [], [], {}
+        for row, data in items:
+            worker = _Worker(self.command)
+            try:
+                ok, decoded, why = worker.call([(row, data)], size)
+            except WorkerDied:
+                dropped[row] = "decoder_crash"
+                continue
+            worker.close()
+            rows += ok
+            pixels.append(decoded)
+            dropped |= why
+        stacked = np.concatenate(pixels) if pixels else np.zeros((0, size, size, 3), np.uint8)
+        return rows, stacked, dropped
+
+
+if __name__ == "__main__":
+    serve()
