@@ -4,7 +4,6 @@ field and value."""
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -85,16 +84,6 @@ def test_every_phase_draws_from_datasets_over_known_sources(catalog):
 
 
 # ---- a broken catalog --------------------------------------------------------------------
-
-
-@pytest.fixture
-def catalog_copy(tmp_path) -> Path:
-    """A writable copy of the shipped YAML."""
-    directory = tmp_path / "catalog"
-    directory.mkdir()
-    for path in PACKAGED_DIR.glob("*.yaml"):
-        shutil.copy(path, directory / path.name)
-    return directory
 
 
 def replace_once(path: Path, old: str, new: str) -> None:

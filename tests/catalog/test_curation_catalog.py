@@ -3,22 +3,12 @@ datasets that are views over a source's build profile."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from catalog import CatalogError, load_catalog
 from catalog.loader import PACKAGED_DIR
-
-
-@pytest.fixture
-def catalog_copy(tmp_path) -> Path:
-    directory = tmp_path / "catalog"
-    directory.mkdir()
-    for path in PACKAGED_DIR.glob("*.yaml"):
-        shutil.copy(path, directory / path.name)
-    return directory
 
 
 def append(path: Path, text: str) -> None:
