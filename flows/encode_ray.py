@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import ray
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -25,7 +26,13 @@ from tasks import encode, shards
 from tasks.shards import read_stats, summarize
 
 # What a Ray worker needs from this process to find the data, the catalog and the weights.
-FORWARDED_ENV = ("SDPIPE_DATA", "SDPIPE_CATALOG", "SDPIPE_ALLOW_DOWNLOADS", "HF_HOME")
+FORWARDED_ENV = (
+    "SDPIPE_DATA",
+    "SDPIPE_CATALOG",
+    "SDPIPE_ALLOW_DOWNLOADS",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+)
 
 
 class SdpipeRayTaskRunner(RayTaskRunner):
@@ -34,9 +41,11 @@ class SdpipeRayTaskRunner(RayTaskRunner):
 
     def __enter__(self):
         env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        env["HF_HUB_OFFLINE"] = os.environ.get("HF_HUB_OFFLINE", "1")
-        if api_url := get_current_settings().api.url:
-            env["PREFECT_API_URL"] = api_url
+        api = get_current_settings().api
+        if api.url:
+            env["PREFECT_API_URL"] = api.url
+        if api.key:
+            env["PREFECT_API_KEY"] = api.key.get_secret_value()
         runtime_env = self.init_kwargs.setdefault("runtime_env", {})
         runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
         return super().__enter__()
@@ -93,6 +102,15 @@ def encode_ray(
     model = catalog.model(catalog.source(source).model)
     names = sorted(p.stem for p in (root / source / "tokens").glob("[0-9]*.parquet"))
     groups = [names[i : i + shards_per_task] for i in range(0, len(names), shards_per_task)]
+    cluster = ray.cluster_resources()
+    if cluster.get("GPU", 0) < gpus_per_task or cluster.get("CPU", 0) < cpus_per_task:
+        logger.warning(
+            "the Ray cluster has %s GPUs and %s CPUs; each encode task waits for %s and %s",
+            cluster.get("GPU", 0),
+            cluster.get("CPU", 0),
+            gpus_per_task,
+            cpus_per_task,
+        )
     done: dict[str, dict] = {}
     failed: list[str] = []
     with remote_options(num_gpus=gpus_per_task, num_cpus=cpus_per_task):

@@ -36,7 +36,7 @@ STAGE_VERSIONS = {
     "selected": 2,
     "views": 1,
     "tokens": 1,
-    "latents": 1,
+    "latents": 2,
 }
 # Stages that read from the network get retries; compute stages fail fast.
 IO_STAGES = {"metadata": 2, "shards": 2}

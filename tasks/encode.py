@@ -74,8 +74,16 @@ def default_num_workers(device: torch.device) -> int:
     return max(1, min(16, cores - 2)) if device.type == "cuda" else 1
 
 
+def _canonical(device: torch.device) -> torch.device:
+    """`cuda` and `cuda:<current>` are one device: one VAE, one compiled encoder."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def vae_for(model: Model, device: torch.device) -> torch.nn.Module:
     """One frozen VAE per model, device and process, shared by shard tasks running in threads."""
+    device = _canonical(device)
     with _lock:
         key = (model.name, str(device))
         if key not in _vaes:
@@ -109,6 +117,7 @@ def latent_encoder(
 
 def encoder_for(model: Model, device: torch.device, compile: bool = False):
     """The process's `latent_encoder` of `vae_for(model, device)`, compiled once if asked."""
+    device = _canonical(device)
     vae = vae_for(model, device)
     with _lock:
         key = (model.name, str(device), compile)
@@ -185,7 +194,8 @@ def encode_pixels(
     compile: bool = False,
 ) -> torch.Tensor:
     """The encoder alone, as the pipeline runs it, on pixels already in memory (on the device,
-    uint8 [N, H, W, 3]): the pipeline's ceiling. fp16 latents [N, 4, H/8, W/8] on the device."""
+    uint8 [N, H, W, 3]): the pipeline's ceiling. fp16 latents [N, 4, H/8, W/8] on the device.
+    """
     encode = encoder_for(model, pixels_BHWC.device, compile)
     batches = pixels_BHWC.split(batch_size)
     if pixels_BHWC.device.type != "cpu":
@@ -504,7 +514,7 @@ def encode_shards(
     compile: bool = False,
 ) -> list[ShardStats]:
     """Encode `shards` in order through one pipeline; shards already done are skipped."""
-    device = torch.device(device) if device is not None else default_device()
+    device = _canonical(torch.device(device) if device is not None else default_device())
     todo = [s for s in shards if not stats_path(root, source, STAGE, s).exists()]
     if not todo:
         return [run_shard(root, source, STAGE, s, _never) for s in shards]

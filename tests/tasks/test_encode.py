@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import cv2
@@ -419,6 +420,21 @@ def test_one_encoder_per_device_equals_the_single_process_path(tmp_path, four_sh
     assert [s.shard for s in stats] == shards
     assert encode.partition(shards, 2) == [["00000", "00002"], ["00001", "00003"]]
     assert_same_outputs(read_outputs(single, shards), read_outputs(split, shards), exact=False)
+
+
+def test_encoding_on_cpu_leaves_the_torch_thread_setting_alone(tmp_path, four_shards, tiny):
+    src_root, shards = four_shards
+    (tmp_path / SOURCE).mkdir()
+    for stage in ("shards", "tokens"):
+        (tmp_path / SOURCE / stage).symlink_to(src_root / SOURCE / stage)
+    before = torch.get_num_threads()
+    encode.encode_shards(tmp_path, SOURCE, shards, tiny, batch_size=4)  # runs in one-thread lanes
+    in_a_new_thread = []
+    thread = threading.Thread(target=lambda: in_a_new_thread.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert torch.get_num_threads() == before
+    assert in_a_new_thread == [before]
 
 
 def test_latent_qa_decodes_a_stated_sample(tmp_path, four_shards, tiny, reference_vae):
