@@ -30,6 +30,9 @@ class Source:
     resolution: int = 512  # side of the square images in the shards
     model: str = "sd15"  # whose VAE encodes this source's latents
     profile: str  # the loosest profile the source is built at; stricter views query over it
+    # Layout of an archive/folder source (tasks.adapters): diffusiondb, journeydb, vggface2,
+    # coco or local; "" means the source's own name.
+    adapter: str = ""
     options: dict = field(default_factory=dict)
 
 
@@ -56,6 +59,15 @@ class FilterProfile:
     dedup: tuple[str, ...] = ("url", "sha256")  # of: url, sha256, phash, semantic
     phash_distance: int = 4  # near duplicates: pHash Hamming distance <= this
     semantic_threshold: float = 0.95  # semantic duplicates: embedding cosine >= this
+    # Tagged local folders (JSON metadata with `tags` and `score`, as in seed 002): an image with
+    # any of `exclude_tags` is dropped (`excluded_tag`); `remove_tags` are left out of the
+    # caption; `tag_replacements` rewrite substrings of each tag (in order); the caption is the
+    # tags joined by `tag_separator`; a score under `min_score` is dropped (`min_score`).
+    exclude_tags: tuple[str, ...] = ()
+    remove_tags: tuple[str, ...] = ()
+    tag_replacements: dict = field(default_factory=dict)
+    tag_separator: str = ", "
+    min_score: float | None = None
     # Scoring models (models.yaml, kind: scoring) that score a source built at this profile
     # from its pixels, in a score stage after fetch-images; "": the source is not scored.
     scorer: str = ""

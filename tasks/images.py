@@ -173,14 +173,91 @@ def decode_rows(
     return rows, stacked, dropped
 
 
+def original_size(data: bytes, decoded: np.ndarray, reduced: int) -> tuple[int, int]:
+    """(width, height) of the image as stored, EXIF orientation applied."""
+    h, w = decoded.shape[:2]
+    dims = jpeg_size(data) if reduced > 1 else None
+    if dims is None:
+        return w, h
+    # The frame header gives the stored size; orientation may have turned it by 90 degrees.
+    return dims if (dims[0] >= dims[1]) == (w >= h) else (dims[1], dims[0])
+
+
+def repack_image(
+    data: bytes,
+    size: int,
+    *,
+    min_side: int = 0,
+    crop: tuple[int, int, int, int] | None = None,
+    quality: int = 95,
+) -> tuple[bytes, int, int]:
+    """(JPEG bytes of the size x size image, stored width, stored height) of an image's bytes.
+
+    The decode rules above, then `crop` (x, y, w, h in stored pixels, clipped to the image) if
+    given, then `fit`. Raises Unusable: the rules' reasons, or `too_small` when the stored
+    short side is under `min_side`.
+    """
+    fmt = sniff(data)
+    dims = jpeg_size(data) if fmt == "jpeg" else None
+    if dims and min(dims) < min_side:
+        raise Unusable("too_small")
+    # The reduced decode must keep the kept region's short side >= size.
+    target = size
+    if dims and crop:
+        target = -(-size * min(dims) // max(1, min(crop[2], crop[3])))
+    try:
+        rgb = decode_rgb(data, target)
+        k = reduction(min(dims), target) if dims else 1
+        width, height = original_size(data, rgb, k)
+        if min(width, height) < min_side:
+            raise Unusable("too_small")
+        if crop:
+            sx, sy = rgb.shape[1] / width, rgb.shape[0] / height
+            x0, y0 = max(0, round(crop[0] * sx)), max(0, round(crop[1] * sy))
+            x1 = min(rgb.shape[1], round((crop[0] + crop[2]) * sx))
+            y1 = min(rgb.shape[0], round((crop[1] + crop[3]) * sy))
+            if x1 - x0 < 1 or y1 - y0 < 1:
+                raise Unusable("empty_crop")
+            rgb = rgb[y0:y1, x0:x1]
+        square = fit(rgb, size)
+        ok, jpeg = cv2.imencode(
+            ".jpg", cv2.cvtColor(square, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality]
+        )
+    except cv2.error:
+        raise Unusable("decode_error") from None
+    if not ok:
+        raise Unusable("encode_error")
+    return jpeg.tobytes(), width, height
+
+
+def repack_rows(
+    items: list[tuple[int, bytes, tuple | None]], size: int, *, min_side: int = 0
+) -> tuple[list[int], list[tuple[bytes, int, int]], dict[int, str]]:
+    """Repack worker task: (rows repacked, their (jpeg, width, height), reason per dropped row)."""
+    rows, out, dropped = [], [], {}
+    for row, data, crop in items:
+        try:
+            out.append(repack_image(data, size, min_side=min_side, crop=crop))
+            rows.append(row)
+        except Unusable as e:
+            dropped[row] = e.reason
+        except Exception:  # a decoder's unforeseen failure is one bad image, not a bad shard
+            dropped[row] = "decode_error"
+    return rows, out, dropped
+
+
 # ---- decode workers --------------------------------------------------------------------------
+
+# What a worker can be asked to do: name -> fn(items, size, **options) -> (rows, payload,
+# dropped), where payload is an array (stacked pixels) or a list, one entry per row kept.
+WORKER_TASKS = {"decode": decode_rows, "repack": repack_rows}
 
 WORKER_COMMAND = (sys.executable, "-m", "tasks.images")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def serve() -> None:
-    """A worker's loop: pickled (items, size) on stdin, `decode_rows` results on stdout."""
+    """A worker's loop: pickled (task, items, size, options) on stdin, results on stdout."""
     # Parallelism comes from the worker processes; cv2's own threads would oversubscribe.
     cv2.setNumThreads(1)
     # The protocol gets a private copy of stdout; fd 1 goes to stderr, so whatever a C
@@ -190,10 +267,11 @@ def serve() -> None:
     requests = sys.stdin.buffer
     while True:
         try:
-            items, size = pickle.load(requests)
+            task, items, size, options = pickle.load(requests)
         except EOFError:  # the parent closed our stdin, or died
             return
-        pickle.dump(decode_rows(items, size), out, protocol=pickle.HIGHEST_PROTOCOL)
+        result = WORKER_TASKS[task](items, size, **options)
+        pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
 
 
@@ -211,9 +289,9 @@ class _Worker:
             env={**os.environ, "PYTHONPATH": path},
         )
 
-    def call(self, items: list[tuple[int, bytes]], size: int):
+    def call(self, request: tuple):
         try:
-            pickle.dump((items, size), self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(request, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
             self.proc.stdin.flush()
             return pickle.load(self.proc.stdout)
         except (EOFError, OSError, pickle.UnpicklingError) as e:
@@ -245,10 +323,10 @@ class DecodePool:
         for t in self.threads:
             t.start()
 
-    def submit(self, items: list[tuple[int, bytes]], size: int) -> Future:
-        """A future of `decode_rows(items, size)`, computed in a worker."""
+    def submit(self, items: list, size: int, task: str = "decode", **options) -> Future:
+        """A future of `WORKER_TASKS[task](items, size, **options)`, computed in a worker."""
         future: Future = Future()
-        self.tasks.put((future, items, size))
+        self.tasks.put((future, (task, items, size, options)))
         return future
 
     def close(self) -> None:
@@ -260,37 +338,39 @@ class DecodePool:
     def _serve(self) -> None:
         worker = None
         while (task := self.tasks.get()) is not None:
-            future, items, size = task
+            future, request = task
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 try:
                     worker = worker or _Worker(self.command)
-                    result = worker.call(items, size)
+                    result = worker.call(request)
                 except WorkerDied:
                     worker = None
-                    result = self._one_at_a_time(items, size)
+                    result = self._one_at_a_time(*request)
                 future.set_result(result)
             except BaseException as e:  # e.g. no process could be started: fail the task
                 future.set_exception(e)
         if worker is not None:
             worker.close()
 
-    def _one_at_a_time(self, items, size):
-        rows, pixels, dropped = [], [], {}
-        for row, data in items:
+    def _one_at_a_time(self, task, items, size, options):
+        rows, parts, dropped = [], [], {}
+        for item in items:
             worker = _Worker(self.command)
             try:
-                ok, decoded, why = worker.call([(row, data)], size)
+                ok, payload, why = worker.call((task, [item], size, options))
             except WorkerDied:
-                dropped[row] = "decoder_crash"
+                dropped[item[0]] = "decoder_crash"
                 continue
             worker.close()
             rows += ok
-            pixels.append(decoded)
+            parts.append(payload)
             dropped |= why
-        stacked = np.concatenate(pixels) if pixels else np.zeros((0, size, size, 3), np.uint8)
-        return rows, stacked, dropped
+        empty = WORKER_TASKS[task]([], size, **options)[1]
+        if isinstance(empty, np.ndarray):
+            return rows, np.concatenate([empty, *parts]), dropped
+        return rows, [x for part in parts for x in part], dropped
 
 
 if __name__ == "__main__":

@@ -234,12 +234,11 @@ CRASHING_WORKER = (
     sys.executable,
     "-c",
     "import os, tasks.images as m\n"
-    "real = m.decode_rows\n"
     "def decode_rows(items, size):\n"
     "    if any(data == b'crash' for _, data in items):\n"
     "        os._exit(139)\n"
-    "    return real(items, size)\n"
-    "m.decode_rows = decode_rows\n"
+    "    return m.decode_rows(items, size)\n"
+    "m.WORKER_TASKS['decode'] = decode_rows\n"
     "m.serve()\n",
 )
 
