@@ -10,6 +10,8 @@ from tasks.adapters.base import Adapter, SourceLayoutError
 # adapter name -> "module:class"; modules import on use (some need heavier libraries).
 ADAPTERS = {
     "local": "tasks.adapters.local:LocalFolder",
+    "diffusiondb": "tasks.adapters.diffusiondb:DiffusionDB",
+    "journeydb": "tasks.adapters.journeydb:JourneyDB",
     "vggface2": "tasks.adapters.vggface2:VGGFace2",
     "coco": "tasks.adapters.coco:Coco",
 }

@@ -142,10 +142,11 @@ def corrupt_zip_member(path: Path, member: str) -> None:
     path.write_bytes(bytes(data))
 
 
-def write_tar(path: Path, members: dict[str, bytes]) -> Path:
-    """A tar with these members, names written as given (unsafe ones included)."""
+def write_tar(path: Path, members: dict[str, bytes], *, compression: str = "") -> Path:
+    """A tar with these members, names written as given (unsafe ones included); compression
+    "gz" writes a .tgz."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
+    with tarfile.open(path, f"w:{compression}" if compression else "w") as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
