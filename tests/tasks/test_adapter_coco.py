@@ -154,13 +154,19 @@ def expected_reason(outcome: str) -> str:
     return reason(captions[outcome]) if outcome in captions else outcome
 
 
-def write_mirror(fs, base: str, scratch: Path, *, loose_annotations: bool = False) -> None:
-    """The fixture in the upstream layout (or with the annotation JSON loose) under `base`."""
+def write_mirror(
+    fs, base: str, scratch: Path, *, loose_annotations: bool = False, loose_images: bool = False
+) -> None:
+    """The fixture in the upstream layout under `base`, or with the annotation JSON and/or the
+    images loose (the loose images leave out the zip's unsafe names and its damage)."""
     instances, captions, members, _ = coco_fixture()
     images = {f"train2017/{n}": d for n, d in members.items()}
-    images_zip = bad.write_zip(scratch / "train2017.zip", images)
-    bad.corrupt_zip_member(images_zip, "train2017/000000000012.jpg")
-    files = {"zips/train2017.zip": images_zip.read_bytes()}
+    if loose_images:
+        files = {name: data for name, data in images.items() if not bad_name(name)}
+    else:
+        images_zip = bad.write_zip(scratch / "train2017.zip", images)
+        bad.corrupt_zip_member(images_zip, "train2017/000000000012.jpg")
+        files = {"zips/train2017.zip": images_zip.read_bytes()}
     jsons = {
         "annotations/instances_train2017.json": json.dumps(instances).encode(),
         "annotations/captions_train2017.json": json.dumps(captions).encode(),
@@ -174,6 +180,10 @@ def write_mirror(fs, base: str, scratch: Path, *, loose_annotations: bool = Fals
         fs.makedirs(f"{base}/{rel.rpartition('/')[0]}", exist_ok=True)
         with fs.open(f"{base}/{rel}", "wb") as f:
             f.write(data)
+
+
+def bad_name(name: str) -> bool:
+    return ".." in name.split("/") or "//" in name
 
 
 def source(location: str, **options) -> Source:
@@ -296,6 +306,22 @@ def test_loose_annotations_index_the_same(tmp_path, remote):
     assert (mirror / "annotations" / "captions_train2017.json").is_file()
     index_source(tmp_path / "b", source(str(mirror)), adapter_for(source(str(mirror)), PROFILE))
     assert read_all(tmp_path / "a", "metadata") == read_all(tmp_path / "b", "metadata")
+
+
+def test_loose_images_folder(tmp_path):
+    mirror = local_mirror(tmp_path, loose_annotations=True, loose_images=True)
+    assert not (mirror / "zips").exists() and (mirror / "train2017").is_dir()
+    root, src = tmp_path / "data", source(str(mirror))
+    adapter = adapter_for(src, PROFILE)
+    index_source(root, src, adapter)
+    rows = read_all(root, "metadata")
+    assert rows[0]["origin"] == "train2017/000000000001.jpg"
+    for shard in shard_names(root, "coco"):
+        repack_shard(root, src, adapter, shard)
+    status = {r["coco_id"]: r["status"] for r in read_all(root, "shards")}
+    want = {r["coco_id"]: EXPECTED[r["coco_id"]] for r in rows} | {12: "success"}  # not damaged
+    assert status == want
+    assert bad.files_outside(root, mirror, tmp_path / "scratch") == []
 
 
 @pytest.mark.parametrize(
