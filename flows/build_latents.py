@@ -20,6 +20,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from catalog import Catalog, CatalogError, Source, load_catalog
 from flows.stages import DISPLAY, StageFailed, publish_waterfall, run_stage
 from tasks import (
+    adapters,
     demo_source,
     encode,
     fetch_images,
@@ -47,11 +48,12 @@ def preflight(source_name: str) -> tuple[Catalog, Source]:
 def source_summary(root: Path, source: str) -> dict[str, dict]:
     """Per stage: samples in / out and drops by reason, read from the stats records on disk.
 
-    The score stage is listed only for sources that have one.
+    The score and (metadata) filter stages are listed only for sources that have them.
     """
     records = {stage: read_stats(root, source, stage) for stage in STAGES}
+    optional = (score.STAGE, "filtered")  # unscored sources; archive sources filter on pixels
     return {
-        stage: summarize(stats) for stage, stats in records.items() if stats or stage != score.STAGE
+        stage: summarize(stats) for stage, stats in records.items() if stats or stage not in optional
     }
 
 
@@ -91,46 +93,10 @@ def run_source(root: Path, catalog: Catalog, src: Source) -> None:
         failures.extend(f"{DISPLAY[stage_name]}-{name}-{s}" for s in sorted(failed))
         return done
 
-    files = metadata.list_metadata_files(root, src)
-    stage(
-        "metadata",
-        {
-            f"{i:05d}": functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
-            for i, f in enumerate(files)
-        },
-    )
-    stage(
-        "filtered",
-        {
-            filter.ALL: functools.partial(
-                filter.filter_metadata, root, name, profile, src.samples_per_shard
-            )
-        },
-        needs_all=True,
-    )
-    filtered_dir = root / name / "filtered"
-    publish_waterfall(name, filtered_dir / "waterfall.json", filtered_dir / "gallery.html")
-    shard_names = sorted(p.stem for p in (root / name / "filtered").glob("[0-9]*.parquet"))
-    server = (
-        demo_source.serve_mirror(root / name / "mirror")
-        if src.kind == "demo"
-        else contextlib.nullcontext()
-    )
-    with server:
-        fetched = stage(
-            "shards",
-            {
-                s: functools.partial(
-                    fetch_images.fetch_images_shard,
-                    root,
-                    name,
-                    s,
-                    image_size=src.resolution,
-                    min_side=profile.min_side,
-                )
-                for s in shard_names
-            },
-        )
+    if src.kind in ("archive", "folder"):
+        shard_names, fetched = archive_stages(root, src, profile, stage)
+    else:
+        shard_names, fetched = url_stages(root, src, profile, stage)
     if scored:
         spec = catalog.scorer(profile.scorer)
         stage(
@@ -163,6 +129,68 @@ def run_source(root: Path, catalog: Catalog, src: Source) -> None:
     )
     if failures:
         raise StageFailed(_failed(failures))
+
+
+def url_stages(root: Path, src: Source, profile, stage) -> tuple[list[str], dict]:
+    """fetch-metadata -> filter (metadata rules, before any image) -> fetch-images."""
+    name = src.name
+    files = metadata.list_metadata_files(root, src)
+    stage(
+        "metadata",
+        {
+            f"{i:05d}": functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
+            for i, f in enumerate(files)
+        },
+    )
+    stage(
+        "filtered",
+        {
+            filter.ALL: functools.partial(
+                filter.filter_metadata, root, name, profile, src.samples_per_shard
+            )
+        },
+        needs_all=True,
+    )
+    filtered_dir = root / name / "filtered"
+    publish_waterfall(name, filtered_dir / "waterfall.json", filtered_dir / "gallery.html")
+    shard_names = sorted(p.stem for p in filtered_dir.glob("[0-9]*.parquet"))
+    server = (
+        demo_source.serve_mirror(root / name / "mirror")
+        if src.kind == "demo"
+        else contextlib.nullcontext()
+    )
+    with server:
+        fetched = stage(
+            "shards",
+            {
+                s: functools.partial(
+                    fetch_images.fetch_images_shard,
+                    root,
+                    name,
+                    s,
+                    image_size=src.resolution,
+                    min_side=profile.min_side,
+                )
+                for s in shard_names
+            },
+        )
+    return shard_names, fetched
+
+
+def archive_stages(root: Path, src: Source, profile, stage) -> tuple[list[str], dict]:
+    """index (the adapter's listing -> sample-table shards) -> repack (archives -> JPEG shards)."""
+    adapter = adapters.adapter_for(src, profile)
+    stage(
+        "metadata",
+        {adapters.ALL: functools.partial(adapters.index_source, root, src, adapter)},
+        needs_all=True,
+    )
+    shard_names = adapters.shard_names(root, src.name)
+    fetched = stage(
+        "shards",
+        {s: functools.partial(adapters.repack_shard, root, src, adapter, s) for s in shard_names},
+    )
+    return shard_names, fetched
 
 
 def _failed(failures: list[str]) -> str:

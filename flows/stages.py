@@ -23,7 +23,7 @@ from prefect.artifacts import (
 from prefect.filesystems import LocalFileSystem
 from prefect.futures import as_completed
 
-from tasks.shards import ShardStats
+from tasks.shards import ShardStats, generation
 from tasks.waterfall import MAX_SAMPLES, Waterfall
 
 # Bump a stage's version when its output changes meaning: cached results of older versions
@@ -74,10 +74,11 @@ def result_storage(root: Path) -> str:
 
 def _cache_key(context, parameters: dict) -> str:
     root_id = _root_id(parameters["root"])
-    stage = parameters["stage"]
-    return (
-        f"{stage}-{parameters['source']}-{parameters['shard']}-v{STAGE_VERSIONS[stage]}-{root_id}"
-    )
+    stage, source = parameters["stage"], parameters["source"]
+    # The source's generation changes when finished shards are changed in place (a refetch):
+    # then every task runs again, and the stage records decide what is really redone.
+    gen = generation(Path(parameters["root"]), source)
+    return f"{stage}-{source}-{parameters['shard']}-v{STAGE_VERSIONS[stage]}-g{gen}-{root_id}"
 
 
 @task(persist_result=True, cache_key_fn=_cache_key)

@@ -16,12 +16,21 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tasks.shards import ShardStats, atomic_path, run_shard
+from tasks.shards import (
+    ShardStats,
+    atomic_path,
+    bump_generation,
+    run_shard,
+    stats_path,
+    write_json_atomic,
+)
 
 STAGE = "shards"
 KEY_COLUMN = "sdpipe_key"
@@ -47,7 +56,12 @@ def drop_reason(error_message: str | None) -> str:
 
 def _repack(src_tar: Path, dst_tar: Path, keys: dict[str, str]) -> None:
     """Copy the tar with members renamed from img2dataset keys to sdpipe keys."""
-    with tarfile.open(src_tar) as src, tarfile.open(dst_tar, "w") as dst:
+    with tarfile.open(dst_tar, "w") as dst:
+        _append(src_tar, dst, keys)
+
+
+def _append(src_tar: Path, dst: tarfile.TarFile, keys: dict[str, str]) -> None:
+    with tarfile.open(src_tar) as src:
         for member in src:
             if not member.isfile():
                 continue
@@ -90,6 +104,49 @@ def run_img2dataset(workdir: Path, kwargs: dict) -> None:
         raise FetchFailed(f"img2dataset exited with {proc.returncode}: {' | '.join(tail)}")
 
 
+def download(
+    table: pa.Table,
+    workdir: Path,
+    *,
+    image_size: int,
+    min_side: int,
+    thread_count: int = 16,
+    retries: int = 2,
+    timeout: int = 10,
+) -> tuple[pa.Table, Path, dict[str, str]]:
+    """img2dataset over `table`'s rows (url, caption, key) into `workdir`: (its status
+    parquet, its tar, img2dataset key -> sdpipe key)."""
+    pq.write_table(
+        table.select(["url", "caption", "key"]).rename_columns(["url", "caption", KEY_COLUMN]),
+        workdir / "input.parquet",
+    )
+    run_img2dataset(
+        workdir,
+        dict(
+            url_list=str(workdir / "input.parquet"),
+            input_format="parquet",
+            url_col="url",
+            caption_col="caption",
+            save_additional_columns=[KEY_COLUMN],
+            output_folder=str(workdir / "out"),
+            output_format="webdataset",
+            image_size=image_size,
+            resize_mode="center_crop",
+            min_image_size=min_side,
+            processes_count=1,
+            thread_count=thread_count,
+            number_sample_per_shard=max(table.num_rows, 1),
+            retries=retries,
+            timeout=timeout,
+            compute_hash="sha256",
+            enable_wandb=False,
+        ),
+    )
+    status = pq.read_table(workdir / "out" / "00000.parquet")
+    keys = dict(zip(status["key"].to_pylist(), status[KEY_COLUMN].to_pylist(), strict=True))
+    return status, workdir / "out" / "00000.tar", keys
+
+
 def fetch_images_shard(
     root: Path,
     source: str,
@@ -97,9 +154,7 @@ def fetch_images_shard(
     *,
     image_size: int,
     min_side: int,
-    thread_count: int = 16,
-    retries: int = 2,
-    timeout: int = 10,
+    **download_options,
 ) -> ShardStats:
     filtered = root / source / "filtered" / f"{shard}.parquet"
     out_dir = root / source / STAGE
@@ -108,57 +163,130 @@ def fetch_images_shard(
         table = pq.read_table(filtered)
         stats.num_in = table.num_rows
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-") as tmp:
-            tmp = Path(tmp)
-            pq.write_table(
-                table.select(["url", "caption", "key"]).rename_columns(
-                    ["url", "caption", KEY_COLUMN]
-                ),
-                tmp / "input.parquet",
-            )
-            run_img2dataset(
-                tmp,
-                dict(
-                    url_list=str(tmp / "input.parquet"),
-                    input_format="parquet",
-                    url_col="url",
-                    caption_col="caption",
-                    save_additional_columns=[KEY_COLUMN],
-                    output_folder=str(tmp / "out"),
-                    output_format="webdataset",
-                    image_size=image_size,
-                    resize_mode="center_crop",
-                    min_image_size=min_side,
-                    processes_count=1,
-                    thread_count=thread_count,
-                    number_sample_per_shard=max(table.num_rows, 1),
-                    retries=retries,
-                    timeout=timeout,
-                    compute_hash="sha256",
-                    enable_wandb=False,
-                ),
-            )
-            status = pq.read_table(tmp / "out" / "00000.parquet")
-            img2dataset_keys = dict(
-                zip(status["key"].to_pylist(), status[KEY_COLUMN].to_pylist(), strict=True)
+            status, tar, keys = download(
+                table, Path(tmp), image_size=image_size, min_side=min_side, **download_options
             )
             with atomic_path(out_dir / f"{shard}.tar") as tar_tmp:
-                _repack(tmp / "out" / "00000.tar", tar_tmp, img2dataset_keys)
+                _repack(tar, tar_tmp, keys)
         samples = _sample_table(table, status, source)
         with atomic_path(out_dir / f"{shard}.parquet") as tmp_table:
             pq.write_table(samples, tmp_table)
-        for s in samples["status"].to_pylist():
-            if s != "success":
-                stats.drop(s)
-        stats.num_out = stats.num_in - sum(stats.dropped.values())
-        failed = [
-            u
-            for u, s in zip(samples["url"].to_pylist(), samples["status"].to_pylist(), strict=True)
-            if s != "success"
-        ]
-        stats.extra = {"failed_urls": failed}
+        _count(stats, samples)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     return run_shard(root, source, STAGE, shard, work)
+
+
+def _count(stats: ShardStats, samples: pa.Table) -> None:
+    """Drops by reason and the failed URLs (the list `sdpipe refetch` works from)."""
+    statuses = samples["status"].to_pylist()
+    for s in statuses:
+        if s != "success":
+            stats.drop(s)
+    stats.num_out = statuses.count("success")
+    urls = samples["url"].to_pylist()
+    stats.extra = {
+        **stats.extra,
+        "failed_urls": [u for u, s in zip(urls, statuses, strict=True) if s != "success"],
+    }
+
+
+# Failures worth another try by default: the server or the network, not the image.
+TRANSIENT = re.compile(r"http_(408|429|5\d\d)|timeout|fetch_error")
+# Stages computed from a shard's fetched images, whose records a refetch makes stale.
+DOWNSTREAM = ("scores", "tokens", "latents")
+DOWNSTREAM_ALL = ("selected", "views")
+
+
+def failed_samples(root: Path, source: str) -> pa.Table:
+    """Every URL whose fetch failed, across the source's shards: shard, key, url, status,
+    error_message."""
+    parts = []
+    for path in sorted((root / source / STAGE).glob("[0-9]*.parquet")):
+        t = pq.read_table(path, columns=["key", "url", "status", "error_message"])
+        t = t.filter(pc.not_equal(t["status"], "success"))
+        parts.append(t.add_column(0, "shard", pa.array([path.stem] * t.num_rows, pa.string())))
+    if not parts:
+        return pa.table(
+            {
+                c: pa.array([], pa.string())
+                for c in ("shard", "key", "url", "status", "error_message")
+            }
+        )
+    return pa.concat_tables(parts)
+
+
+def refetch_shard(
+    root: Path,
+    source: str,
+    shard: str,
+    *,
+    image_size: int,
+    min_side: int,
+    reasons: re.Pattern | None = TRANSIENT,
+    **download_options,
+) -> ShardStats | None:
+    """Fetch a done shard's failed URLs again (those whose reason matches `reasons`; None: all),
+    keeping every image already fetched. The shard's tar, sample table and stats record are
+    rewritten (each renamed into place; a rerun after a kill redoes the refetch), and the
+    records of the stages computed from the shard are removed, so they run again. Returns the
+    new stats, or None when there was nothing to refetch."""
+    out_dir = root / source / STAGE
+    table_path = out_dir / f"{shard}.parquet"
+    record = stats_path(root, source, STAGE, shard)
+    if not record.exists():
+        raise FetchFailed(f"{source}/{shard}: not fetched yet; run build-latents first")
+    samples = pq.read_table(table_path)
+    statuses = samples["status"].to_pylist()
+    pick = [
+        i
+        for i, s in enumerate(statuses)
+        if s != "success" and (reasons is None or reasons.fullmatch(s))
+    ]
+    if not pick:
+        return None
+    retry = samples.take(pick)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-refetch-") as tmp:
+        status, tar, keys = download(
+            retry, Path(tmp), image_size=image_size, min_side=min_side, **download_options
+        )
+        again = set(retry["key"].to_pylist())
+        with (
+            atomic_path(out_dir / f"{shard}.tar") as tar_tmp,
+            tarfile.open(out_dir / f"{shard}.tar") as old,
+            tarfile.open(tar_tmp, "w") as new,
+        ):
+            for member in old:  # what was fetched before stays, byte for byte
+                if member.name.partition(".")[0] not in again:
+                    new.addfile(member, old.extractfile(member))
+            _append(tar, new, keys)
+        fresh = _sample_table(retry, status, source)
+    by_key = {k: i for i, k in enumerate(fresh["key"].to_pylist())}
+    rows = samples.to_pylist()
+    fresh_rows = fresh.to_pylist()
+    merged = [fresh_rows[by_key[r["key"]]] if r["key"] in by_key else r for r in rows]
+    merged_table = pa.Table.from_pylist(merged, schema=samples.schema)
+    stats = ShardStats(stage=STAGE, source=source, shard=shard)
+    stats.num_in = samples.num_rows
+    _count(stats, merged_table)
+    stats.extra["refetched"] = len(pick)
+    stats.check_balanced()
+    invalidate_downstream(root, source, shard)
+    with atomic_path(table_path) as tmp_table:
+        pq.write_table(merged_table, tmp_table)
+    write_json_atomic(record, asdict(stats))
+    return stats
+
+
+def invalidate_downstream(root: Path, source: str, shard: str) -> None:
+    """Remove the done records of the stages computed from `shard` (and the whole-source
+    stages), so the next build-latents run redoes them."""
+    for stage in DOWNSTREAM:
+        stats_path(root, source, stage, shard).unlink(missing_ok=True)
+    for stage in DOWNSTREAM_ALL:
+        for p in (root / source / stage).glob("*.stats.json"):
+            p.unlink()
+    bump_generation(root, source)
 
 
 def _sample_table(filtered: pa.Table, status: pa.Table, source: str) -> pa.Table:

@@ -55,7 +55,7 @@ def list_metadata_files(root: Path, source: Source) -> list[str]:
         location = f"hf://datasets/{owner}/{name}@{source.revision}/" + "/".join(rest)
     try:
         fs, path = fsspec.core.url_to_fs(location)
-        files = sorted(fs.glob(path.rstrip("/") + "/**.parquet"))
+        files = sorted(f for f in fs.find(path.rstrip("/")) if f.endswith(".parquet"))
     except Exception as e:  # any filesystem backend error means the same thing to the user
         raise SourceError(f"source {source.name!r}: cannot list {location}: {e}") from None
     if not files:
@@ -64,17 +64,22 @@ def list_metadata_files(root: Path, source: Source) -> list[str]:
 
 
 def check_source(source: Source) -> None:
-    """Fail early, in one line, on a local location that does not exist or an unbuilt adapter."""
+    """Fail early, in one line, on a local location that does not exist or an unknown layout."""
     if "://" not in source.location and not Path(source.location).exists():
+        what = "folder" if source.kind == "folder" else "location"
         raise SourceError(
-            f"source {source.name!r}: location {source.location} does not exist "
-            f"(set {source.name}.location in the catalog's sources.yaml)"
+            f"source {source.name!r}: {what} {source.location} does not exist "
+            f"(set {source.name}.location in the catalog's sources.yaml). "
+            + " ".join(source.license.split())
         )
-    if source.kind not in ("url", "demo"):
-        raise SourceError(
-            f"source {source.name!r} is of kind {source.kind!r}: its adapter is not built yet; "
-            "build-latents supports url and demo sources today"
-        )
+    if source.kind in ("archive", "folder"):
+        from tasks.adapters import ADAPTERS, adapter_name
+
+        if adapter_name(source) not in ADAPTERS:
+            raise SourceError(
+                f"source {source.name!r} is of kind {source.kind!r} with no adapter "
+                f"{adapter_name(source)!r}: set `adapter:` to one of {', '.join(sorted(ADAPTERS))}"
+            )
 
 
 def normalize(table: pa.Table, source: str, shard: str, origin: str) -> pa.Table:
@@ -106,7 +111,50 @@ def normalize(table: pa.Table, source: str, shard: str, origin: str) -> pa.Table
     return pa.table(out)
 
 
+def blocklist(source: Source) -> tuple[pa.Array, pa.Array] | None:
+    """(blocked URLs, blocked hashes) from the parquet the source option `blocklist` names, or
+    None. The file has a `url` column, a `hash` column (LAION's int64 hash), or both."""
+    location = source.options.get("blocklist")
+    if not location:
+        return None
+    try:
+        with fsspec.open(location, "rb") as f:
+            table = pq.read_table(f)
+    except (OSError, ValueError) as e:
+        raise SourceError(
+            f"source {source.name!r}: cannot read blocklist {location}: {e}"
+        ) from None
+    found = table.column_names
+    if "url" not in found and "hash" not in found:
+        raise SourceError(
+            f"source {source.name!r}: blocklist {location} needs a `url` or `hash` column; "
+            f"found {found}"
+        )
+    urls = (
+        pc.unique(pc.cast(table["url"], pa.string()))
+        if "url" in found
+        else pa.array([], pa.string())
+    )
+    hashes = (
+        pc.unique(pc.cast(table["hash"], pa.int64()))
+        if "hash" in found
+        else pa.array([], pa.int64())
+    )
+    return urls, hashes
+
+
+def drop_blocked(table: pa.Table, blocked: tuple[pa.Array, pa.Array]) -> tuple[pa.Table, int]:
+    """Anti-join of the sample table with the blocklist; (kept rows, number removed)."""
+    urls, hashes = blocked
+    hit = pc.fill_null(pc.is_in(table["url"], value_set=urls), False)
+    if "hash" in table.column_names and len(hashes):
+        hit = pc.or_(hit, pc.fill_null(pc.is_in(table["hash"], value_set=hashes), False))
+    kept = table.filter(pc.invert(hit))
+    return kept, table.num_rows - kept.num_rows
+
+
 def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) -> ShardStats:
+    """One upstream metadata file -> `metadata/NNNNN.parquet`, minus the blocklisted rows."""
     shard = shard_name(index)
     out = root / source.name / STAGE / f"{shard}.parquet"
 
@@ -114,9 +162,15 @@ def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) 
         with fsspec.open(location, "rb") as f:
             table = pq.read_table(f)
         table = normalize(table, source.name, shard, location)
+        stats.num_in = table.num_rows
+        blocked = blocklist(source)
+        if blocked is not None:
+            table, removed = drop_blocked(table, blocked)
+            if removed:
+                stats.drop("blocklist", removed)
         with atomic_path(out) as tmp:
             pq.write_table(table, tmp)
-        stats.num_in = stats.num_out = table.num_rows
+        stats.num_out = table.num_rows
         stats.extra = {"origin": location}
 
     return run_shard(root, source.name, STAGE, shard, work)

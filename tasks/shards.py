@@ -146,3 +146,24 @@ def summarize(stats: list[ShardStats]) -> dict:
         "num_out": sum(s.num_out for s in stats),
         "dropped": dict(sorted(dropped.items())),
     }
+
+
+def generation_path(root: Path, source: str) -> Path:
+    return root / source / "generation"
+
+
+def generation(root: Path, source: str) -> int:
+    """How many times a source's finished shards were changed in place (e.g. by a refetch).
+
+    Part of the flows' cache keys: a cached "done" of an earlier generation is not reused,
+    while the stages' own records still skip every shard whose record survived.
+    """
+    path = generation_path(root, source)
+    return int(path.read_text()) if path.exists() else 0
+
+
+def bump_generation(root: Path, source: str) -> int:
+    new = generation(root, source) + 1
+    with atomic_path(generation_path(root, source)) as tmp:
+        tmp.write_text(str(new))
+    return new

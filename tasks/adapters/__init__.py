@@ -5,7 +5,24 @@ from __future__ import annotations
 import importlib
 
 from catalog import FilterProfile, Source
-from tasks.adapters.base import Adapter, SourceLayoutError
+from tasks.adapters.base import (
+    ALL,
+    Adapter,
+    SourceLayoutError,
+    index_source,
+    repack_shard,
+    shard_names,
+)
+
+__all__ = [
+    "ALL",
+    "Adapter",
+    "SourceLayoutError",
+    "adapter_for",
+    "index_source",
+    "repack_shard",
+    "shard_names",
+]
 
 # adapter name -> "module:class"; modules import on use (some need heavier libraries).
 ADAPTERS = {

@@ -1,0 +1,130 @@
+"""LAION (a URL source): blocklist anti-join on ingest, img2dataset on loopback, and a refetch
+of failed URLs that keeps every image already fetched."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tarfile
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from catalog import FilterProfile, Source
+from tasks import demo_source, fetch_images, metadata
+from tasks import filter as filter_stage
+from tasks.shards import generation, stats_path
+
+PROFILE = FilterProfile(name="loose", min_side=128, dedup=("url",))
+
+
+@pytest.fixture
+def mirror(tmp_path):
+    mirror = demo_source.generate_mirror(tmp_path / "mirror", num_images=8, seed=3)
+    part = mirror / "metadata" / "part-00000.parquet"
+    table = pq.read_table(part)
+    # LAION's WIDTH/HEIGHT may be NaN: such a row is not judged by declared size.
+    width = table["WIDTH"].to_pylist()
+    width[0] = float("nan")
+    table = table.set_column(table.column_names.index("WIDTH"), "WIDTH", pa.array(width))
+    pq.write_table(table, part)
+    return mirror
+
+
+def read_dir(folder) -> pa.Table:
+    """The stage's shard tables, in shard order (not its stats records)."""
+    return pa.concat_tables(pq.read_table(p) for p in sorted(folder.glob("[0-9]*.parquet")))
+
+
+def members(path) -> dict[str, bytes]:
+    with tarfile.open(path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar}
+
+
+def test_blocklist_fetch_and_refetch(tmp_path, mirror):
+    upstream = pq.read_table(mirror / "metadata" / "part-00000.parquet").to_pylist()
+    good = [r for r in upstream if "/images/0000" in r["URL"]]
+    blocklist = tmp_path / "blocklist.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "url": [good[1]["URL"], "https://elsewhere.example/x.jpg"],
+                "hash": [good[2]["hash"], 7],
+            }
+        ),
+        blocklist,
+    )
+    blocked = {good[1]["URL"], good[2]["URL"]}
+    src = Source(
+        name="laion",
+        kind="url",
+        location=str(mirror / "metadata"),
+        license="test",
+        profile="loose",
+        resolution=64,
+        options={"blocklist": str(blocklist)},
+    )
+    root = tmp_path / "data"
+    [location] = metadata.list_metadata_files(root, src)
+    stats = metadata.fetch_metadata_shard(root, src, 0, location)
+    n_blocked = sum(r["URL"] in blocked for r in upstream)  # a blocked URL may be listed twice
+    assert stats.dropped == {"blocklist": n_blocked}
+    assert stats.num_out == len(upstream) - n_blocked
+    assert not blocked & set(read_dir(root / "laion" / "metadata")["url"].to_pylist())
+
+    filter_stage.filter_metadata(root, "laion", PROFILE, 10_000)
+    with demo_source.serve_mirror(mirror):
+        fetched = fetch_images.fetch_images_shard(
+            root, "laion", "00000", image_size=64, min_side=PROFILE.min_side, thread_count=4
+        )
+    assert fetched.dropped["http_404"] == demo_source.PLANTED["http_404"]
+    failed = fetch_images.failed_samples(root, "laion")
+    assert sorted(failed["url"].to_pylist()) == sorted(fetched.extra["failed_urls"])
+    assert set(failed["status"].to_pylist()) >= {"http_404", "decode_error"}
+    before = members(root / "laion" / "shards" / "00000.tar")
+
+    # A refetch of transient failures finds none: a 404 is not retried by default.
+    kw = dict(image_size=64, min_side=PROFILE.min_side, thread_count=4)
+    assert fetch_images.refetch_shard(root, "laion", "00000", **kw) is None
+    # The missing images come back upstream; a downstream record exists and goes stale.
+    for i in range(demo_source.PLANTED["http_404"]):
+        shutil.copy(mirror / "images" / "00000.jpg", mirror / "images" / f"missing-{i}.jpg")
+    tokens_record = stats_path(root, "laion", "tokens", "00000")
+    tokens_record.parent.mkdir(parents=True)
+    tokens_record.write_text("{}")
+    with demo_source.serve_mirror(mirror):
+        again = fetch_images.refetch_shard(
+            root, "laion", "00000", reasons=re.compile("http_404"), **kw
+        )
+    assert again.extra["refetched"] == demo_source.PLANTED["http_404"]
+    assert "http_404" not in again.dropped
+    assert again.num_out == fetched.num_out + demo_source.PLANTED["http_404"]
+    assert again.num_in == fetched.num_in
+    after = members(root / "laion" / "shards" / "00000.tar")
+    assert {k: v for k, v in after.items() if k in before} == before  # kept byte for byte
+    assert len(after) == len(before) + 3 * demo_source.PLANTED["http_404"]
+    table = pq.read_table(root / "laion" / "shards" / "00000.parquet")
+    ok = table.filter(pc.equal(table["status"], "success"))
+    assert {f"{k}.jpg" for k in ok["key"].to_pylist()} == {n for n in after if n.endswith(".jpg")}
+    assert not tokens_record.exists()
+    assert generation(root, "laion") == 1
+
+
+def test_a_blocklist_without_url_or_hash_is_one_clear_line(tmp_path, mirror):
+    bad = tmp_path / "bl.parquet"
+    pq.write_table(pa.table({"link": ["x"]}), bad)
+    src = Source(
+        name="laion",
+        kind="url",
+        location=str(mirror / "metadata"),
+        license="t",
+        profile="loose",
+        options={"blocklist": str(bad)},
+    )
+    [location] = metadata.list_metadata_files(tmp_path, src)
+    with pytest.raises(
+        metadata.SourceError, match=r"needs a `url` or `hash` column; found \['link'\]"
+    ):
+        metadata.fetch_metadata_shard(tmp_path, src, 0, location)
