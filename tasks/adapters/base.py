@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import tarfile
+import threading
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -199,11 +200,35 @@ def fetch_archive(root: Path, adapter: Adapter, archive: str) -> tuple[Path, boo
     if isinstance(adapter.fs, LocalFileSystem):
         return Path(adapter.path(archive)), False
     local = root / adapter.source.name / "raw" / archive
-    if not local.exists():
-        local.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(local) as tmp:
-            adapter.fs.get_file(adapter.path(archive), str(tmp))
+    with _RAW_LOCK:  # shards run in threads and may share one archive (COCO's train2017.zip)
+        _RAW_USERS[local] = _RAW_USERS.get(local, 0) + 1
+        fetching = _RAW_FETCHING.setdefault(local, threading.Lock())
+    try:
+        with fetching:  # one copy at a time: the others wait for it, then use it
+            if not local.exists():
+                local.parent.mkdir(parents=True, exist_ok=True)
+                with atomic_path(local) as tmp:
+                    adapter.fs.get_file(adapter.path(archive), str(tmp))
+    except BaseException:
+        release_archive(local, remove=False)
+        raise
     return local, True
+
+
+_RAW_LOCK = threading.Lock()
+_RAW_USERS: dict[Path, int] = {}
+_RAW_FETCHING: dict[Path, threading.Lock] = {}
+
+
+def release_archive(local: Path, *, remove: bool) -> None:
+    """A shard is done with a copy from `fetch_archive`; with `remove`, the last shard of this
+    process using it removes it (never one another thread is still reading)."""
+    with _RAW_LOCK:
+        _RAW_USERS[local] -= 1
+        if _RAW_USERS[local] <= 0:
+            del _RAW_USERS[local]
+            if remove:
+                local.unlink(missing_ok=True)
 
 
 def read_zip(path: Path, members: list[str]) -> Iterator[tuple[str, bytes | str]]:
@@ -271,9 +296,11 @@ def read_origins(root: Path, adapter: Adapter, origins: list[str]) -> dict[str, 
             out.update({f"{archive}{SEP}{m}": "missing_archive" for m in members})
             continue
         reader = read_zip if archive.lower().endswith(".zip") else read_tar
-        out.update({f"{archive}{SEP}{m}": v for m, v in reader(path, members)})
-        if copied and not adapter.source.options.get("keep_raw", False):
-            path.unlink(missing_ok=True)
+        try:
+            out.update({f"{archive}{SEP}{m}": v for m, v in reader(path, members)})
+        finally:
+            if copied:
+                release_archive(path, remove=not adapter.source.options.get("keep_raw", False))
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import tarfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import cv2
@@ -20,6 +21,7 @@ import pytest
 
 from catalog import FilterProfile, Source
 from tasks.adapters import SourceLayoutError, adapter_for, index_source, repack_shard, shard_names
+from tasks.adapters.base import fetch_archive, release_archive
 from tasks.adapters.coco import square_crop
 from tasks.shards import summarize
 from tasks.tokenize import clean_caption, tokenize_shard
@@ -250,7 +252,11 @@ def test_index_repack_tokenize(tmp_path, remote):
     assert first["crop"] == [90, 5, 110, 110]  # side 1.1 * 100, shifted left to fit
     assert rows[1]["person_box"] == list(LEFT)  # the tallest of two qualifying persons
 
-    repacked = [repack_shard(root, src, adapter, s) for s in shard_names(root, "coco")]
+    # two shards at once, as the flow's thread runner does: one archive copy, shared
+    with ThreadPoolExecutor(2) as pool:
+        repacked = list(
+            pool.map(lambda s: repack_shard(root, src, adapter, s), shard_names(root, "coco"))
+        )
     for s in repacked:
         assert s.num_in == s.num_out + sum(s.dropped.values())
     total = summarize(repacked)
@@ -298,6 +304,17 @@ def test_index_repack_tokenize(tmp_path, remote):
         )
         == []
     )
+
+
+def test_archive_copy_removed_by_its_last_user(tmp_path, remote):
+    adapter = adapter_for(source(remote), PROFILE)
+    first, copied = fetch_archive(tmp_path, adapter, "zips/train2017.zip")
+    second, _ = fetch_archive(tmp_path, adapter, "zips/train2017.zip")
+    assert copied and first == second == tmp_path / "coco" / "raw" / "zips" / "train2017.zip"
+    release_archive(first, remove=True)
+    assert second.is_file()  # another shard still reads it
+    release_archive(second, remove=True)
+    assert not second.exists()
 
 
 def test_loose_annotations_index_the_same(tmp_path, remote):
