@@ -131,6 +131,18 @@ def cmd_summary(args: argparse.Namespace) -> None:
             )
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from flows.status import format_status, status
+
+    root = data_root(args.data_root)
+    report = status(root, args.sources or None)
+    print(json.dumps(report, indent=1) if args.json else format_status(report))
+    failed = any(s["failed"] for stages in report["sources"].values() for s in stages)
+    return 1 if failed or any(p["train"] == "failed" for p in report["phases"].values()) else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from flows import demo
 
@@ -162,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summary", help="samples per stage and drop reason, from the data root")
     p.add_argument("sources", nargs="*")
     p.set_defaults(fn=cmd_summary)
+    p = sub.add_parser(
+        "status",
+        help="per source and phase: stages done / running / failed, from the data root alone "
+        "(works with the Prefect server down); exit code 1 if anything failed",
+    )
+    p.add_argument("sources", nargs="*", help="only these sources (default: all, and phases)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(fn=cmd_status)
     p = sub.add_parser(
         "sample", help="images from trained weights: DDIM, EMA, CFG with a negative prompt"
     )

@@ -3,6 +3,10 @@
 A shard's stage output is done when its stats record `<stage>/NNNNN.stats.json` exists; the
 record is written last, after every output file has been renamed into place, so a killed
 stage leaves at most hidden temporaries, never a half-written file under a final name.
+
+A shard whose work raised leaves a failure record `<stage>/NNNNN.failed.json` (error type and
+message, host, pid, time); the shard's next successful run removes it. `sdpipe status` reads
+both records, so it can tell done, running and failed shards with the server down.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -35,6 +40,10 @@ def stage_dir(root: Path, source: str, stage: str) -> Path:
 
 def stats_path(root: Path, source: str, stage: str, shard: str) -> Path:
     return stage_dir(root, source, stage) / f"{shard}.stats.json"
+
+
+def failure_path(root: Path, source: str, stage: str, shard: str) -> Path:
+    return stage_dir(root, source, stage) / f"{shard}.failed.json"
 
 
 @contextlib.contextmanager
@@ -128,11 +137,33 @@ def run_shard(
     clean_temporaries(record.parent, f"{shard}.")
     stats = ShardStats(stage=stage, source=source, shard=shard)
     start = time.perf_counter()
-    work(stats)
-    stats.seconds = round(time.perf_counter() - start, 3)
-    stats.check_balanced()
-    write_json_atomic(record, asdict(stats))
+    failure = failure_path(root, source, stage, shard)
+    try:
+        work(stats)
+        stats.seconds = round(time.perf_counter() - start, 3)
+        stats.check_balanced()
+        write_json_atomic(record, asdict(stats))
+    except Exception as e:
+        write_failure(failure, e, time.perf_counter() - start)
+        raise
+    failure.unlink(missing_ok=True)
     return stats
+
+
+def write_failure(path: Path, error: BaseException, seconds: float) -> None:
+    """The failure record of a shard; best effort: it never hides the error itself."""
+    with contextlib.suppress(OSError):
+        write_json_atomic(
+            path,
+            {
+                "error": type(error).__name__,
+                "message": str(error)[:2000],
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "seconds": round(seconds, 3),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            },
+        )
 
 
 def summarize(stats: list[ShardStats]) -> dict:
