@@ -1,15 +1,17 @@
 """curriculum: one phase = mix (its seeded set of datasets) -> train (torchrun DDP).
 
 Phase N starts from phase N-1's final weights and the flow refuses to start before they exist.
-Trainer lines stream into the logs and a progress artifact. A training holds this machine's slot
-(a global concurrency limit, made with 1 slot): a run takes every GPU it sees.
+Trainer lines stream into the logs and a progress artifact. A training holds the slots of its
+node's GPU pool (flows/pools.py: the global concurrency limit `sdpipe-gpu-<pool>`) for every
+GPU it uses, so it never shares GPUs with score/encode shards or another training. A failed
+training leaves `runs/<phase>/failed.json` (for `sdpipe status`); a successful one removes it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from prefect.artifacts import (
 from prefect.states import Failed
 
 from catalog import Catalog, CatalogError, Phase, load_catalog
+from flows import pools
+from flows.secrets import export_secrets
 from tasks import mix, shards
 from tasks.train import TrainingFailed, launch_training, train_config_for_phase
 
@@ -74,28 +78,15 @@ def parse_step_line(line: str) -> dict | None:
 
 
 def training_slot_name() -> str:
-    return f"sdpipe-train-{socket.gethostname()}"
+    """The GPU pool limit a training holds (one pool per node unless SDPIPE_GPU_POOL says)."""
+    return pools.gpu_limit_name()
 
 
 @contextlib.contextmanager
 def training_slot() -> Iterator[None]:
-    """Hold this machine's training slot (a global concurrency limit, made with limit 1)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.sync import concurrency
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    name = training_slot_name()
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            with contextlib.suppress(ObjectAlreadyExists):  # another flow created it first
-                client.create_global_concurrency_limit(
-                    GlobalConcurrencyLimitCreate(name=name, limit=1)
-                )
-    get_run_logger().info(f"waiting for the training slot {name!r}")
-    with concurrency(name, occupy=1, strict=True):
+    """Hold one slot of the GPU pool per GPU this node's training uses (1 on a CPU node)."""
+    get_run_logger().info(f"waiting for the GPU pool {training_slot_name()!r}")
+    with pools.gpu_slot(occupy=max(1, pools.local_gpus())):
         yield
 
 
@@ -127,8 +118,16 @@ def train_task(root: Path, phase: Phase, init_from: str, wandb_project: str = ""
                 ),
             )
 
-    with training_slot():
-        return launch_training(config, on_line=on_line)
+    failure = root / "runs" / phase.name / "failed.json"
+    start = time.monotonic()
+    try:
+        with training_slot():
+            summary = launch_training(config, on_line=on_line)
+    except Exception as e:
+        shards.write_failure(failure, e, time.monotonic() - start)
+        raise
+    failure.unlink(missing_ok=True)
+    return summary
 
 
 @flow(name="curriculum", log_prints=True)
@@ -140,6 +139,7 @@ def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project:
     """
     logger = get_run_logger()
     root = shards.data_root(data_root)
+    export_secrets()  # WANDB_API_KEY (HF_TOKEN): env or Secret block, masked in logs
     try:
         catalog, spec, init_from = preflight(phase, root)
         report = mix_task(root, catalog, spec)

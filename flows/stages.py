@@ -23,6 +23,8 @@ from prefect.artifacts import (
 from prefect.filesystems import LocalFileSystem
 from prefect.futures import as_completed
 
+from flows.pools import gpu_slot
+from flows.secrets import export_secrets
 from tasks.shards import ShardStats, generation
 from tasks.waterfall import MAX_SAMPLES, Waterfall
 
@@ -40,6 +42,8 @@ STAGE_VERSIONS = {
 }
 # Stages that read from the network get retries; compute stages fail fast.
 IO_STAGES = {"metadata": 2, "shards": 2}
+# Stages that hold a slot of the node's GPU pool limit (flows/pools.py) while they work.
+GPU_STAGES = {"scores", "latents"}
 # Names shown on the dashboard, as the DAG in DESIGN.md names the stages.
 DISPLAY = {
     "metadata": "fetch-metadata",
@@ -85,8 +89,15 @@ def _cache_key(context, parameters: dict) -> str:
 def shard_task(
     stage: str, source: str, shard: str, root: str, run: Callable[[], ShardStats]
 ) -> dict:
-    """Run one shard of one stage; returns its stats record as a dict."""
-    stats = run()
+    """Run one shard of one stage; returns its stats record as a dict.
+
+    Score and encode shards hold one slot of the GPU pool's global concurrency limit.
+    """
+    if stage in GPU_STAGES:
+        with gpu_slot():
+            stats = run()
+    else:
+        stats = run()
     logger = get_run_logger()
     verb = "already done" if stats.skipped else f"done in {stats.seconds:.1f}s"
     logger.info(
@@ -111,6 +122,7 @@ def run_stage(
     shard); the caller decides what the failures block.
     """
     logger = get_run_logger()
+    export_secrets()  # HF token for gated sources: env or Secret block, masked in logs
     name = DISPLAY[stage]
     configured = shard_task.with_options(
         retries=IO_STAGES.get(stage, 0), retry_delay_seconds=2, result_storage=result_storage(root)
