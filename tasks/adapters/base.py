@@ -20,6 +20,7 @@ hf://datasets/..., with the catalog's revision pinned).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import json
@@ -35,13 +36,14 @@ from pathlib import Path, PurePosixPath
 
 import fsspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from catalog import FilterProfile, Source
 from tasks import images
 from tasks.metadata import SourceError
-from tasks.shards import ShardStats, atomic_path, run_shard, shard_name
+from tasks.shards import ShardStats, atomic_path, run_shard, shard_name, stats_path
 from tasks.tokenize import clean_caption
 
 ALL = "all"
@@ -274,34 +276,66 @@ def read_tar(path: Path, members: list[str]) -> Iterator[tuple[str, bytes | str]
             yield m, "truncated_archive" if broken else "missing_image"
 
 
-def read_origins(root: Path, adapter: Adapter, origins: list[str]) -> dict[str, bytes | str]:
-    """Every origin's bytes or drop reason; each archive is opened once."""
+def iter_origins(
+    root: Path, adapter: Adapter, origins: list[str], *, shard: str | None = None
+) -> Iterator[tuple[str, bytes | str]]:
+    """(origin, bytes or drop reason) for every origin, archive by archive (each opened once).
+
+    A remote archive's copy under raw/ is removed after use unless the source option
+    `keep_raw` is set or (reading for `shard`) another shard will still read it."""
     by_archive: dict[str, list[str]] = {}
     for origin in origins:
         archive, member = split_origin(origin)
         by_archive.setdefault(archive, []).append(member)
-    out: dict[str, bytes | str] = {}
     for archive, members in by_archive.items():
         if not archive:
             for m in members:
                 try:
                     with adapter.open(m) as f:
-                        out[m] = f.read()
+                        yield m, f.read()
                 except (FileNotFoundError, IsADirectoryError):
-                    out[m] = "missing_image"
+                    yield m, "missing_image"
             continue
         try:
             path, copied = fetch_archive(root, adapter, archive)
         except FileNotFoundError:
-            out.update({f"{archive}{SEP}{m}": "missing_archive" for m in members})
+            for m in members:
+                yield f"{archive}{SEP}{m}", "missing_archive"
             continue
         reader = read_zip if archive.lower().endswith(".zip") else read_tar
         try:
-            out.update({f"{archive}{SEP}{m}": v for m, v in reader(path, members)})
+            for m, v in reader(path, members):
+                yield f"{archive}{SEP}{m}", v
         finally:
             if copied:
-                release_archive(path, remove=not adapter.source.options.get("keep_raw", False))
-    return out
+                keep = adapter.source.options.get("keep_raw", False) or (
+                    shard is not None and needed_later(root, adapter.source.name, archive, shard)
+                )
+                release_archive(path, remove=not keep)
+
+
+def read_origins(root: Path, adapter: Adapter, origins: list[str]) -> dict[str, bytes | str]:
+    """Every origin's bytes or drop reason (all in memory: for small sets)."""
+    return dict(iter_origins(root, adapter, origins))
+
+
+_READERS: dict[tuple[str, str], set[str]] = {}  # (source, archive) -> shards done reading it
+
+
+def needed_later(root: Path, source: str, archive: str, shard: str) -> bool:
+    """Whether a shard of `source` other than those that already read `archive` (in this
+    process) and those already done will read it: then its copy stays for that shard."""
+    with _RAW_LOCK:
+        readers = _READERS.setdefault((source, archive), set())
+        readers.add(shard)
+        done_reading = set(readers)
+    for path in (root / source / "metadata").glob("[0-9]*.parquet"):
+        if path.stem in done_reading or stats_path(root, source, "shards", path.stem).exists():
+            continue
+        origins = pq.read_table(path, columns=["origin"])["origin"]
+        if pc.any(pc.starts_with(origins, f"{archive}{SEP}")).as_py():
+            return True
+    return False
 
 
 # ---- repack -----------------------------------------------------------------------------------
@@ -315,8 +349,14 @@ def repack_shard(
     *,
     pool: images.DecodePool | None = None,
     chunk: int = 32,
+    in_flight: int = 4,
 ) -> ShardStats:
-    """One shard's images -> `shards/NNNNN.tar` + its sample table `shards/NNNNN.parquet`."""
+    """One shard's images -> `shards/NNNNN.tar` + its sample table `shards/NNNNN.parquet`.
+
+    Images stream through: an archive's members are read, handed to the decode workers in
+    chunks (at most `in_flight` chunks per worker waiting) and written to the tar as they
+    come back, so memory holds a few chunks, not the shard.
+    """
     table_path = root / source.name / "metadata" / f"{shard}.parquet"
     out_dir = root / source.name / "shards"
     size, min_side = source.resolution, adapter.profile.min_side
@@ -325,52 +365,63 @@ def repack_shard(
         table = pq.read_table(table_path)
         rows = table.to_pylist()
         stats.num_in = len(rows)
-        data = read_origins(root, adapter, [r["origin"] for r in rows])
+        index = {r["origin"]: i for i, r in enumerate(rows)}
         status: list[str] = ["success"] * len(rows)
-        items = []
-        for i, r in enumerate(rows):
-            d = data[r["origin"]]
-            if isinstance(d, str):
-                status[i] = d
-            else:
-                items.append((i, d, tuple(r["crop"]) if r["crop"] else None))
-        own_pool = pool or images.DecodePool(max(1, min(len(items) // chunk, os.cpu_count() or 1)))
-        try:
-            futures = [
-                own_pool.submit(items[j : j + chunk], size, "repack", min_side=min_side)
-                for j in range(0, len(items), chunk)
-            ]
-            results = [f.result() for f in futures]
-        finally:
-            if pool is None:
-                own_pool.close()
-        packed: dict[int, tuple[bytes, int, int]] = {}
-        for done, payload, dropped in results:
-            packed.update(zip(done, payload, strict=True))
-            for i, reason in dropped.items():
-                status[i] = reason
-        sizes: dict[int, tuple[int | None, int | None, str | None]] = {}
+        width: list[int | None] = [None] * len(rows)
+        height: list[int | None] = [None] * len(rows)
+        sha: list[str | None] = [None] * len(rows)
+        workers = pool or images.DecodePool(os.cpu_count() or 1)
+        pending: collections.deque = collections.deque()
         out_dir.mkdir(parents=True, exist_ok=True)
-        with atomic_path(out_dir / f"{shard}.tar") as tmp, tarfile.open(tmp, "w") as tar:
-            for i, r in enumerate(rows):
-                original = data[r["origin"]]
-                sha = hashlib.sha256(original).hexdigest() if isinstance(original, bytes) else None
-                if i not in packed:
-                    sizes[i] = (None, None, sha)
-                    continue
-                jpeg, width, height = packed[i]
-                sizes[i] = (width, height, sha)
+
+        def write(tar: tarfile.TarFile, future) -> None:
+            done, payload, dropped = future.result()
+            for i, (jpeg, w, h) in zip(done, payload, strict=True):
+                r = rows[i]
+                width[i], height[i] = w, h
                 meta = {k: v for k, v in r.items() if k != "crop"}
-                meta.update(width=width, height=height, sha256=sha)
-                for ext, payload in (
+                meta.update(width=w, height=h, sha256=sha[i])
+                for ext, data in (
                     ("jpg", jpeg),
                     ("txt", r["caption"].encode()),
                     ("json", json.dumps(meta, ensure_ascii=False).encode()),
                 ):
                     info = tarfile.TarInfo(f"{r['key']}.{ext}")
-                    info.size = len(payload)
-                    tar.addfile(info, io.BytesIO(payload))
-        width, height, sha = ([sizes[i][c] for i in range(len(rows))] for c in range(3))
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+            for i, reason in dropped.items():
+                status[i] = reason
+
+        def submit(tar: tarfile.TarFile, items: list) -> None:
+            pending.append(workers.submit(items, size, "repack", min_side=min_side))
+            while len(pending) > in_flight * len(getattr(workers, "threads", [0])):
+                write(tar, pending.popleft())
+
+        try:
+            with atomic_path(out_dir / f"{shard}.tar") as tmp, tarfile.open(tmp, "w") as tar:
+                items: list = []
+                origins = [r["origin"] for r in rows]
+                for origin, data in iter_origins(root, adapter, origins, shard=shard):
+                    i = index[origin]
+                    if isinstance(data, str):
+                        status[i] = data
+                        continue
+                    sha[i] = hashlib.sha256(data).hexdigest()
+                    crop = rows[i]["crop"]
+                    items.append((i, data, tuple(crop) if crop else None))
+                    if len(items) == chunk:
+                        submit(tar, items)
+                        items = []
+                if items:
+                    submit(tar, items)
+                while pending:
+                    write(tar, pending.popleft())
+        finally:
+            if pool is None:
+                workers.close()
+        for i, s in enumerate(status):
+            if s != "success":
+                width[i] = height[i] = None
         out = (
             table.drop_columns(["crop"])
             .append_column("width", pa.array(width, pa.int64()))
