@@ -143,6 +143,53 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 1 if failed or any(p["train"] == "failed" for p in report["phases"].values()) else 0
 
 
+def cmd_refetch(args: argparse.Namespace) -> int:
+    """List a URL source's failed fetches; with --run, fetch them again (kept images stay)."""
+    import re
+    from collections import Counter
+
+    from tasks import fetch_images
+
+    root = data_root(args.data_root)
+    catalog = load_catalog()
+    src = catalog.source(args.source)
+    if src.kind not in ("url", "demo"):
+        from tasks.metadata import SourceError
+
+        raise SourceError(f"source {src.name!r} is of kind {src.kind!r}: only URL sources refetch")
+    failed = fetch_images.failed_samples(root, src.name)
+    reasons = None if args.all else fetch_images.TRANSIENT
+    if args.reasons:
+        reasons = re.compile("|".join(re.escape(r) for r in args.reasons))
+    counts = Counter(failed["status"].to_pylist())
+    print(f"{src.name}: {failed.num_rows} failed fetches")
+    for reason, n in sorted(counts.items()):
+        retried = reasons is None or reasons.fullmatch(reason)
+        print(f"  {reason:<16} {n:>8}  {'refetched' if retried else 'kept as failed'}")
+    if args.list:
+        failed.to_pandas().to_csv(args.list, index=False)
+        print(f"listed in {args.list}")
+    if not args.run:
+        print("(--run fetches them again; finished images are kept)")
+        return 0
+    profile = catalog.profile(src.profile)
+    changed = 0
+    for shard in sorted(set(failed["shard"].to_pylist())):
+        stats = fetch_images.refetch_shard(
+            root,
+            src.name,
+            shard,
+            image_size=src.resolution,
+            min_side=profile.min_side,
+            reasons=reasons,
+        )
+        if stats is not None:
+            changed += 1
+            print(f"  shard {shard}: {stats.extra['refetched']} refetched, {stats.num_out} ok")
+    print(f"{changed} shard(s) changed; rerun build-latents {src.name} to redo their later stages")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from flows import demo
 
@@ -182,6 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sources", nargs="*", help="only these sources (default: all, and phases)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(fn=cmd_status)
+    p = sub.add_parser(
+        "refetch",
+        help="a URL source's failed fetches by reason; --run fetches them again "
+        "(transient failures by default), keeping the images already fetched",
+    )
+    p.add_argument("source")
+    p.add_argument("--run", action="store_true", help="fetch again (default: only list)")
+    p.add_argument("--all", action="store_true", help="every failure, not only transient ones")
+    p.add_argument("--reasons", nargs="+", help="only these reasons, e.g. http_404 timeout")
+    p.add_argument("--list", type=Path, help="write the failed URLs to this CSV file")
+    p.set_defaults(fn=cmd_refetch)
     p = sub.add_parser(
         "sample", help="images from trained weights: DDIM, EMA, CFG with a negative prompt"
     )
