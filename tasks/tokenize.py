@@ -1,7 +1,14 @@
 """tokenize: the kept captions of a shard -> SD1 CLIP ids, `tokens/NNNNN.parquet`.
 
-77 ids per caption (BOS 49406, caption, EOS 49407, padded with 49407, truncated at 77), stored
-as a fixed-size int32 list so readers get a [N, 77] array without parsing.
+77 ids per caption (BOS 49406, caption, EOS 49407, padded with EOS 49407, truncated at 77), stored
+as a fixed-size int32 list so readers get a [N, 77] array without parsing. The ids come from
+`sdtrain.models.encode_captions` (the trainer's own tokenizer path; equal to transformers'
+CLIPTokenizer configured as SD1's).
+
+Bad captions, each counted: empty or only whitespace -> dropped as `empty_caption`; bytes that
+are not UTF-8 -> dropped as `caption_encoding` (source adapters decode with `clean_caption`,
+since an Arrow string column cannot hold them); over 77 tokens -> kept, truncated, and counted
+in the stats record's `extra["truncated"]` (not a drop: every truncated caption is also out).
 """
 
 from __future__ import annotations
@@ -12,18 +19,40 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sdtrain.models import MAX_TOKENS, tokenize
+from sdtrain.models import MAX_TOKENS, encode_captions
 from tasks.shards import ShardStats, atomic_path, run_shard
 
 STAGE = "tokens"
+EMPTY = "empty_caption"
+ENCODING = "caption_encoding"
 
 
-def tokens_table(keys: list[str], captions: list[str]) -> pa.Table:
-    ids = (
-        tokenize(captions).numpy().astype(np.int32)
-        if captions
-        else np.zeros((0, MAX_TOKENS), np.int32)
-    )
+def clean_caption(raw: bytes | str | None) -> tuple[str | None, str | None]:
+    """(caption, None) for a usable caption, else (None, drop reason).
+
+    Bytes are decoded as strict UTF-8 (`caption_encoding` if they are not UTF-8; a string
+    holding lone surrogates, as `surrogateescape` decoding leaves, is treated the same); the
+    caption is stripped of surrounding whitespace; nothing left -> `empty_caption`.
+    """
+    if raw is None:
+        return None, EMPTY
+    if isinstance(raw, bytes | bytearray | memoryview):
+        try:
+            raw = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return None, ENCODING
+    elif not raw.isascii():
+        try:
+            raw.encode("utf-8")
+        except UnicodeEncodeError:
+            return None, ENCODING
+    caption = raw.strip()
+    if not caption:
+        return None, EMPTY
+    return caption, None
+
+
+def _table(keys: list[str], ids: np.ndarray) -> pa.Table:
     flat = pa.array(ids.reshape(-1), pa.int32())
     return pa.table(
         {
@@ -33,24 +62,30 @@ def tokens_table(keys: list[str], captions: list[str]) -> pa.Table:
     )
 
 
+def tokens_table(keys: list[str], captions: list[str]) -> pa.Table:
+    """The tokens table of already-cleaned captions: key, input_ids int32[77]."""
+    ids, _ = encode_captions(captions)
+    return _table(keys, ids)
+
+
 def tokenize_shard(root: Path, source: str, shard: str) -> ShardStats:
     selected = root / source / "selected" / f"{shard}.parquet"
 
     def work(stats: ShardStats) -> None:
-        table = pq.read_table(selected)
+        table = pq.read_table(selected, columns=["key", "caption"])
         stats.num_in = table.num_rows
         keys, captions = [], []
-        for key, caption in zip(
-            table["key"].to_pylist(), table["caption"].to_pylist(), strict=True
-        ):
-            if caption is None or not caption.strip():
-                stats.drop("empty_caption")
+        for key, raw in zip(table["key"].to_pylist(), table["caption"].to_pylist(), strict=True):
+            caption, reason = clean_caption(raw)
+            if reason is not None:
+                stats.drop(reason)
                 continue
             keys.append(key)
-            captions.append(caption.strip())
-        out = tokens_table(keys, captions)
+            captions.append(caption)
+        ids, counts = encode_captions(captions)
         with atomic_path(root / source / STAGE / f"{shard}.parquet") as tmp:
-            pq.write_table(out, tmp)
-        stats.num_out = out.num_rows
+            pq.write_table(_table(keys, ids), tmp)
+        stats.num_out = len(keys)
+        stats.extra["truncated"] = int((counts > MAX_TOKENS - 2).sum())
 
     return run_shard(root, source, STAGE, shard, work)
