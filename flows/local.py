@@ -3,6 +3,11 @@
 Their state lives under `<root>/.prefect/` (SQLite database, logs, pid files), so each data
 root has its own server; both are started in their own session and outlive the command that
 started them, until `sdpipe stop`.
+
+The same functions start the shared setup of docs/scale-out.md on loopback (tests/operate,
+bench/orchestration.py, infra/scale_out_local.py): `env` adds settings such as
+`PREFECT_API_DATABASE_CONNECTION_URL` (Postgres) and the auth strings, and named workers
+(`worker-a`, `worker-b`, ...) stand for the workers of several nodes.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ def api_url(port: int) -> str:
     return f"http://127.0.0.1:{port}/api"
 
 
-def prefect_env(root: Path, port: int) -> dict[str, str]:
-    """The environment of every Prefect command and flow run of this data root."""
+def prefect_env(root: Path, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every Prefect command and flow run of this data root (+ `env`)."""
     return {
         **os.environ,
         "PREFECT_HOME": str(prefect_dir(root)),
@@ -45,6 +50,7 @@ def prefect_env(root: Path, port: int) -> dict[str, str]:
         "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled"),
         # Pick up a new run within 2 s instead of the default 10 s: one machine, few runs.
         "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "2"),
+        **(env or {}),
     }
 
 
@@ -80,7 +86,9 @@ def _start(name: str, command: list[str], root: Path, env: dict[str, str]) -> in
     return proc.pid
 
 
-def ensure_server(root: Path, port: int, timeout_s: float = 120) -> bool:
+def ensure_server(
+    root: Path, port: int, timeout_s: float = 120, env: dict[str, str] | None = None
+) -> bool:
     """Start the server unless one answers on `port`; returns True if this call started it."""
     url = api_url(port)
     if healthy(url):
@@ -100,7 +108,7 @@ def ensure_server(root: Path, port: int, timeout_s: float = 120) -> bool:
             str(port),
         ],
         root,
-        prefect_env(root, port),
+        prefect_env(root, port, env),
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -113,13 +121,22 @@ def ensure_server(root: Path, port: int, timeout_s: float = 120) -> bool:
     raise LocalServerError(f"the Prefect server did not start on {url}; see {log}")
 
 
-def ensure_worker(root: Path, port: int) -> bool:
-    """Start a process worker for the `sdpipe` pool unless this root's worker is running."""
-    if _alive(prefect_dir(root) / "worker.pid"):
+def ensure_worker(
+    root: Path,
+    port: int,
+    name: str = "worker",
+    env: dict[str, str] | None = None,
+    limit: int | None = None,
+) -> bool:
+    """Start a process worker for the `sdpipe` pool unless this root's worker `name` runs.
+
+    `limit` caps the flow runs it runs at once (default: no cap).
+    """
+    if _alive(prefect_dir(root) / f"{name}.pid"):
         return False
-    env = prefect_env(root, port)
+    prefect_dir(root).mkdir(parents=True, exist_ok=True)
     _start(
-        "worker",
+        name,
         [
             sys.executable,
             "-m",
@@ -130,36 +147,42 @@ def ensure_worker(root: Path, port: int) -> bool:
             WORK_POOL,
             "--type",
             "process",
+            "--name",
+            f"{name}-{port}",
+            *(["--limit", str(limit)] if limit else []),
         ],
         root,
-        env,
+        prefect_env(root, port, env),
     )
     return True
 
 
-def prefect_cli(args: list[str], root: Path, port: int) -> subprocess.CompletedProcess:
+def prefect_cli(
+    args: list[str], root: Path, port: int, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `prefect <args>` from the project folder against this root's server."""
     return subprocess.run(
         [sys.executable, "-m", "prefect", *args],
         cwd=PROJECT_ROOT,
-        env=prefect_env(root, port),
+        env=prefect_env(root, port, env),
         text=True,
         capture_output=True,
     )
 
 
-def deploy(root: Path, port: int) -> None:
+def deploy(root: Path, port: int, env: dict[str, str] | None = None) -> None:
     """Create the work pool if missing and register every deployment of prefect.yaml."""
-    prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process"], root, port)
-    done = prefect_cli(["--no-prompt", "deploy", "--all"], root, port)
+    prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process"], root, port, env)
+    done = prefect_cli(["--no-prompt", "deploy", "--all"], root, port, env)
     if done.returncode != 0:
         raise LocalServerError(f"prefect deploy failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
 def stop(root: Path) -> list[str]:
-    """Stop this root's worker and server; returns what was stopped."""
+    """Stop this root's workers and server; returns what was stopped."""
     stopped = []
-    for name in ("worker", "server"):
+    workers = sorted(p.name[: -len(".pid")] for p in prefect_dir(root).glob("worker*.pid"))
+    for name in (*workers, "server"):
         pid_file = prefect_dir(root) / f"{name}.pid"
         if _alive(pid_file):
             pid = int(pid_file.read_text())
@@ -173,3 +196,39 @@ def stop(root: Path) -> list[str]:
             stopped.append(f"{name} (pid {pid})")
         pid_file.unlink(missing_ok=True)
     return stopped
+
+
+def shared_env(port: int, auth_string: str | None) -> dict[str, str]:
+    """What every client of a shared server sets: its URL and, with auth on, the credentials."""
+    env = {"PREFECT_API_URL": api_url(port)}
+    if auth_string:
+        env["PREFECT_API_AUTH_STRING"] = auth_string
+    return env
+
+
+def start_shared(
+    root: Path,
+    port: int,
+    *,
+    database_url: str,
+    auth_string: str | None,
+    workers: tuple[str, ...] = ("worker-a", "worker-b"),
+    worker_limit: int | None = 1,
+    env: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """docs/scale-out.md on loopback: a server on Postgres with basic auth, the pool and every
+    deployment, and one worker per (pretend) node; returns the clients' environment.
+
+    Each worker gets `SDPIPE_NODE=<its name>` and `SDPIPE_GPU_POOL=<its name>` (one GPU pool
+    per node, as on real nodes where the default is the host name).
+    """
+    client = {**(env or {}), **shared_env(port, auth_string)}
+    server = {**client, "PREFECT_API_DATABASE_CONNECTION_URL": database_url}
+    if auth_string:
+        server["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
+    ensure_server(root, port, env=server)
+    deploy(root, port, env=client)
+    for name in workers:
+        node = {"SDPIPE_NODE": name, "SDPIPE_GPU_POOL": name}
+        ensure_worker(root, port, name, env={**client, **node}, limit=worker_limit)
+    return client

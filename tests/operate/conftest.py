@@ -1,0 +1,159 @@
+"""The shared setup of docs/scale-out.md on loopback, once per session: a throwaway PostgreSQL
+cluster (Debian's `postgresql`), a Prefect server on it with basic auth on, the `sdpipe` pool
+with every deployment, two process workers (`worker-a`, `worker-b`: two pretend nodes) and the
+`sdpipe-load/loopback` deployment. Skipped, with the reason, where PostgreSQL cannot run.
+
+The same code starts it in infra/scale_out_local.py and bench/orchestration.py
+(flows.postgres.Postgres + flows.local.start_shared).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from flows import local, postgres
+
+
+@dataclass
+class Stack:
+    root: Path
+    port: int
+    auth: str
+    env: dict[str, str]  # what a client sets: PREFECT_API_URL, PREFECT_API_AUTH_STRING
+
+    @property
+    def api_url(self) -> str:
+        return local.api_url(self.port)
+
+    @property
+    def ui_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cli(self, *args: str):
+        return local.prefect_cli(list(args), self.root, self.port, self.env)
+
+    @contextlib.contextmanager
+    def client(self):
+        """A sync Prefect client of this server, with the credentials."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        with (
+            temporary_settings({PREFECT_API_URL: self.api_url, PREFECT_API_AUTH_STRING: self.auth}),
+            get_client(sync_client=True) as client,
+        ):
+            yield client
+
+    @contextlib.contextmanager
+    def settings(self):
+        """Flows called in this process report to this server."""
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(
+            {PREFECT_API_URL: self.api_url, PREFECT_API_AUTH_STRING: self.auth}
+        ):
+            yield
+
+    def wait_final(self, flow_run_id, timeout_s: float = 300):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.client() as client:
+                run = client.read_flow_run(flow_run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            time.sleep(1)
+        raise TimeoutError(f"flow run {flow_run_id} not finished in {timeout_s} s")
+
+
+@pytest.fixture(scope="session")
+def pg():
+    if reason := postgres.unavailable_reason():
+        pytest.skip(f"PostgreSQL cannot run here: {reason}")
+    with postgres.Postgres() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def shared_stack(pg, small_catalog, tmp_path_factory) -> Stack:
+    from flows import loadtest
+    from tasks.net import free_port
+
+    root = tmp_path_factory.mktemp("shared-data")
+    port = free_port()
+    auth = f"sdpipe:{secrets.token_urlsafe(12)}"
+    env = local.start_shared(
+        root,
+        port,
+        database_url=pg.create_database("prefect"),
+        auth_string=auth,
+        env={"SDPIPE_CATALOG": str(small_catalog), "SDPIPE_DATA": str(root)},
+    )
+    stack = Stack(root, port, auth, env)
+    try:
+        with stack.settings():
+            loadtest.deploy()
+        yield stack
+    finally:
+        local.stop(root)
+
+
+@pytest.fixture(scope="session")
+def demo_run(shared_stack):
+    """The build-latents/demo deployment run by a worker of the shared stack, finished."""
+    run = shared_stack.cli(
+        "deployment", "run", "build-latents/demo", "--watch", "--watch-interval", "2"
+    )
+    match = re.search(r"UUID: ([0-9a-f-]{36})", run.stdout)
+    assert match, run.stdout[-2000:] + run.stderr[-2000:]
+    return shared_stack.wait_final(match.group(1))
+
+
+@pytest.fixture
+def out_dir(request, tmp_path) -> Path:
+    """Where a test leaves files to look at: $SDPIPE_TEST_OUTPUT/<test>, else its tmp_path."""
+    if base := os.environ.get("SDPIPE_TEST_OUTPUT"):
+        d = Path(base) / request.node.name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+    return tmp_path
+
+
+CHROMIUM = "/usr/bin/chromium"
+# As root, without a sandbox; no background connections (the machine's network is closed).
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium driven by Playwright (its own browser download is not used).
+
+    Module-scoped and asked for after the server fixtures: Playwright's sync API runs an event
+    loop in this thread while it is open, which turns Prefect's sync calls into coroutines.
+    """
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"no {CHROMIUM} (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[dev]')")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield b
+        b.close()
