@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export WANDB_MODE := disabled
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: install demo test test-all lint format stop clean
+.PHONY: install demo test test-all lint format stop clean system-deps scale-out
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,3 +39,27 @@ stop: install
 
 clean: stop
 	rm -rf data
+
+# Debian packages of the operate tests (tests/operate): PostgreSQL for the shared server,
+# Chromium for the dashboard test, docker-compose to validate infra/docker-compose.yml. Each
+# is installed only if missing, and only where apt-get can run (root or passwordless sudo);
+# a test whose package is missing skips with the reason.
+SYSTEM_PACKAGES := postgresql chromium docker-compose
+
+system-deps:
+	@missing=""; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || missing="$$missing postgresql"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	{ command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1; } || missing="$$missing docker-compose"; \
+	if [ -z "$$missing" ]; then echo "system packages present"; exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then echo "no apt-get: not installing$$missing (those tests skip)"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "not root: not installing$$missing (those tests skip)"; exit 0; fi; \
+	echo "installing$$missing"; \
+	$$SUDO apt-get update -q >/dev/null && \
+	DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing >/dev/null \
+	  || echo "apt-get install$$missing failed (those tests skip)"
+
+# docs/scale-out.md steps 1-6 on loopback: Postgres, server with auth, pool, 2 workers, runs.
+scale-out: install
+	$(PY) infra/scale_out_local.py
