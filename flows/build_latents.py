@@ -25,6 +25,7 @@ from tasks import (
     encode,
     fetch_images,
     filter,
+    hf_export,
     metadata,
     score,
     shards,
@@ -53,18 +54,23 @@ def source_summary(root: Path, source: str) -> dict[str, dict]:
     records = {stage: read_stats(root, source, stage) for stage in STAGES}
     optional = (score.STAGE, "filtered")  # unscored sources; archive sources filter on pixels
     return {
-        stage: summarize(stats) for stage, stats in records.items() if stats or stage not in optional
+        stage: summarize(stats)
+        for stage, stats in records.items()
+        if stats or stage not in optional
     }
 
 
 @flow(name="build-latents", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
-def build_latents(source: str = "demo", data_root: str | None = None):
-    """Fetch, filter, tokenize and encode one catalog source into `<root>/<source>/`."""
+def build_latents(source: str = "demo", data_root: str | None = None, hf_dataset: bool = False):
+    """Fetch, filter, tokenize and encode one catalog source into `<root>/<source>/`.
+
+    `hf_dataset`: also export the tokens as a Hugging Face `datasets` DatasetDict
+    {train, validation} (seeded 1% split) under `<root>/<source>/hf/`."""
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
         catalog, src = preflight(source)
-        run_source(root, catalog, src)
+        run_source(root, catalog, src, hf_dataset=hf_dataset)
     except (CatalogError, SourceError, StageFailed) as e:
         logger.error(str(e))
         return Failed(message=str(e))
@@ -77,7 +83,7 @@ def build_latents(source: str = "demo", data_root: str | None = None):
     return summary
 
 
-def run_source(root: Path, catalog: Catalog, src: Source) -> None:
+def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = False) -> None:
     name = src.name
     profile = catalog.profile(src.profile)
     model = catalog.model(src.model)
@@ -119,6 +125,12 @@ def run_source(root: Path, catalog: Catalog, src: Source) -> None:
         "tokens",
         {s: functools.partial(tokenize.tokenize_shard, root, name, s) for s in shard_names},
     )
+    if hf_dataset:
+        stage(
+            "hf",
+            {"all": functools.partial(hf_export.export_hf_dataset, root, name)},
+            needs_all=True,
+        )
     stage(
         "latents",
         {

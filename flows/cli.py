@@ -48,7 +48,12 @@ def cmd_build_latents(args: argparse.Namespace) -> int:
     from flows.build_latents import build_latents, preflight
 
     preflight(args.source)
-    state = build_latents(source=args.source, data_root=args.data_root, return_state=True)
+    state = build_latents(
+        source=args.source,
+        data_root=args.data_root,
+        hf_dataset=args.hf_dataset,
+        return_state=True,
+    )
     return _report(state)
 
 
@@ -214,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = sub.add_parser("build-latents", help="run every data stage for one source, here")
     p.add_argument("source")
+    p.add_argument(
+        "--hf-dataset",
+        action="store_true",
+        help="also export the tokens as a datasets DatasetDict under <root>/<source>/hf/",
+    )
     p.set_defaults(fn=cmd_build_latents)
     p = sub.add_parser("curriculum", help="build a phase's mix and train it, here")
     p.add_argument("phase", help="phase-N, N, or demo")

@@ -38,6 +38,7 @@ STAGE_VERSIONS = {
     "selected": 2,
     "views": 1,
     "tokens": 1,
+    "hf": 1,
     "latents": 2,
 }
 # Stages that read from the network get retries; compute stages fail fast.
@@ -53,6 +54,7 @@ DISPLAY = {
     "selected": "filter-pixels",
     "views": "views",
     "tokens": "tokenize",
+    "hf": "hf-export",
     "latents": "encode",
 }
 

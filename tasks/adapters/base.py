@@ -222,14 +222,21 @@ _RAW_USERS: dict[Path, int] = {}
 _RAW_FETCHING: dict[Path, threading.Lock] = {}
 
 
-def release_archive(local: Path, *, remove: bool) -> None:
-    """A shard is done with a copy from `fetch_archive`; with `remove`, the last shard of this
-    process using it removes it (never one another thread is still reading)."""
+def release_archive(
+    local: Path, *, remove: bool, reader: tuple[Path, str, str, str] | None = None
+) -> None:
+    """A shard is done with a copy from `fetch_archive`. With `remove`, the last user in this
+    process removes it (never while another thread still reads it) unless, with `reader`
+    (root, source, archive, shard), a shard that has not read it yet will need it. The
+    decision is taken under the lock, by the last user, with what every reader had done."""
     with _RAW_LOCK:
+        if reader is not None:
+            root, source, archive, shard = reader
+            _READERS.setdefault((str(root), source, archive), set()).add(shard)
         _RAW_USERS[local] -= 1
         if _RAW_USERS[local] <= 0:
             del _RAW_USERS[local]
-            if remove:
+            if remove and not (reader is not None and _needed_later(*reader)):
                 local.unlink(missing_ok=True)
 
 
@@ -308,10 +315,11 @@ def iter_origins(
                 yield f"{archive}{SEP}{m}", v
         finally:
             if copied:
-                keep = adapter.source.options.get("keep_raw", False) or (
-                    shard is not None and needed_later(root, adapter.source.name, archive, shard)
+                release_archive(
+                    path,
+                    remove=not adapter.source.options.get("keep_raw", False),
+                    reader=(root, adapter.source.name, archive, shard) if shard else None,
                 )
-                release_archive(path, remove=not keep)
 
 
 def read_origins(root: Path, adapter: Adapter, origins: list[str]) -> dict[str, bytes | str]:
@@ -319,16 +327,13 @@ def read_origins(root: Path, adapter: Adapter, origins: list[str]) -> dict[str, 
     return dict(iter_origins(root, adapter, origins))
 
 
-_READERS: dict[tuple[str, str], set[str]] = {}  # (source, archive) -> shards done reading it
+_READERS: dict[tuple[str, str, str], set[str]] = {}  # (root, source, archive) -> shards
 
 
-def needed_later(root: Path, source: str, archive: str, shard: str) -> bool:
-    """Whether a shard of `source` other than those that already read `archive` (in this
-    process) and those already done will read it: then its copy stays for that shard."""
-    with _RAW_LOCK:
-        readers = _READERS.setdefault((source, archive), set())
-        readers.add(shard)
-        done_reading = set(readers)
+def _needed_later(root: Path, source: str, archive: str, shard: str) -> bool:
+    """Whether a shard of `source` that has not read `archive` (in this process) and is not
+    done will read it. Called with _RAW_LOCK held."""
+    done_reading = _READERS.get((str(root), source, archive), set()) | {shard}
     for path in (root / source / "metadata").glob("[0-9]*.parquet"):
         if path.stem in done_reading or stats_path(root, source, "shards", path.stem).exists():
             continue

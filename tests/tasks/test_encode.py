@@ -506,4 +506,9 @@ def test_fetch_metadata_shard_without_url_column_fails_and_marks_nothing_done(tm
     with pytest.raises(SourceError):
         metadata.fetch_metadata_shard(tmp_path, source, 0, str(upstream))
     stage_dir = tmp_path / source.name / "metadata"
-    assert not stage_dir.exists() or list(stage_dir.iterdir()) == []
+    # Only the failure record (read by `sdpipe status`): no output, no done record.
+    assert [p.name for p in stage_dir.iterdir()] == ["00000.failed.json"]
+    assert (
+        "missing required column"
+        in json.loads((stage_dir / "00000.failed.json").read_text())["message"]
+    )
