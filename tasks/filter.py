@@ -8,8 +8,10 @@ duplicate; `tasks.dedup`). Exact copies keep the smallest key, near ones the bes
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -39,6 +41,8 @@ SCORES = {
 LEVELS = ("key", "url", "sha256", "phash", "semantic")
 PIXEL_LEVELS = ("sha256", "phash", "semantic")  # need fetched images
 POSITION = ("filename", "file_row_number")  # where a row was read; not data
+MASK = "failed_rules"  # column of the gallery's sample rows: bit i set = fails rule i
+SAMPLE_HEAD = 65536  # metadata rows read for the gallery's samples before falling back to scans
 SAMPLE_COLUMNS = ("key", "caption", "url", "sha256", "phash", *SCORES, "width", "height")
 # Columns of an input with no rows, so an empty source gives a zero-row report, not an error.
 EMPTY_COLUMNS = {
@@ -101,10 +105,8 @@ def rules(
     out = []
     if stage == "metadata":
         # trim() on every URL costs 5x all the other rules: only what may be blank is trimmed.
-        blank = (
-            "CASE WHEN url IS NULL THEN true WHEN ascii(url) > 32 THEN false "
-            "ELSE trim(url) = '' END"
-        )
+        # `url >= '!'`: the first byte is above space (a byte compare; ascii() decodes UTF-8).
+        blank = "CASE WHEN url IS NULL THEN true WHEN url >= '!' THEN false ELSE trim(url) = '' END"
         out.append(Rule("missing_url", f"NOT ({blank})", ("url",)))
     if profile.url_blocklist:
         domains = "|".join(_regex(d.lower()) for d in profile.url_blocklist)
@@ -223,6 +225,12 @@ def to_arrow(relation: duckdb.DuckDBPyRelation) -> pa.Table:
     return table.read_all() if hasattr(table, "read_all") else table  # newer DuckDB: a reader
 
 
+def _failed(rule_list: list[Rule]) -> str:
+    """SQL: the rules a row fails, as a bit mask (bit i: rule i)."""
+    bits = [f"(NOT coalesce({r.passes}, false))::UBIGINT << {i}" for i, r in enumerate(rule_list)]
+    return " | ".join(f"({b})" for b in bits) or "0::UBIGINT"
+
+
 def judge(
     con: duckdb.DuckDBPyConnection,
     profile: FilterProfile,
@@ -237,25 +245,24 @@ def judge(
     rule_list = rules(profile, stage=stage, available=set(available))
     level_list = levels(profile, stage)
     _check_columns(profile, stage, rule_list, level_list, available, scores_dir is not None)
+    if len(rule_list) > 64:
+        raise ProfileError(f"profile {profile.name!r} has {len(rule_list)} rules; at most 64")
 
-    # Every rule over every row, one scan: first failing rule (`code`) and each rule alone.
-    failed = [f"NOT coalesce({r.passes}, false) AS f{i}" for i, r in enumerate(rule_list)]
-    code = " ".join(f"WHEN f{i} THEN {i + 1}" for i in range(len(rule_list)))
-    sums = "".join(f", sum(f{i}::BIGINT)" for i in range(len(rule_list)))
-    groups = con.sql(
-        f"SELECT CASE {code or 'WHEN false THEN -1'} ELSE 0 END AS code, count(*){sums} "
-        f"FROM (SELECT {', '.join(failed) or 'true'} FROM rows) GROUP BY code"
-    ).fetchall()
-    num_in = sum(g[1] for g in groups)
-    counts = [
-        (
-            r.reason,
-            sum(g[2 + i] for g in groups),
-            sum(g[1] for g in groups if g[0] == i + 1),
-        )
-        for i, r in enumerate(rule_list)
+    # Every rule over every row, one scan reading only the rules' columns: per rule, the rows
+    # it fails alone and the rows it is the first to fail (filtered counts: no grouping).
+    fails = ", ".join(f"NOT coalesce({r.passes}, false) AS f{i}" for i, r in enumerate(rule_list))
+    firsts = [
+        " AND ".join([f"f{i}", *(f"NOT f{j}" for j in range(i))]) for i in range(len(rule_list))
     ]
-    # The rows that pass: plain conjunctions, which DuckDB pushes into the parquet scan.
+    totals = con.sql(
+        f"SELECT count(*){''.join(f', count(*) FILTER (f{i})' for i in range(len(rule_list)))}"
+        f"{''.join(f', count(*) FILTER ({f})' for f in firsts)} FROM (SELECT {fails or 'true'} "
+        "FROM rows)"
+    ).fetchall()[0]
+    num_in, n = totals[0], len(rule_list)
+    counts = [(r.reason, totals[1 + i], totals[1 + n + i]) for i, r in enumerate(rule_list)]
+    # The rows that pass: plain conjunctions, which DuckDB pushes into the parquet scan (which
+    # then decodes the other columns of the passing rows only).
     where = " AND ".join(f"({r.passes})" for r in rule_list) or "true"
     con.sql(
         f"CREATE TEMP TABLE passing AS SELECT *, NULL::VARCHAR AS reason FROM rows WHERE {where}"
@@ -265,48 +272,76 @@ def judge(
     num_passing = _scalar(con, "SELECT count(*) FROM passing")
     if num_passing != num_in - sum(c[2] for c in counts):
         raise AssertionError(f"rules counted {num_in} - {counts} but {num_passing} rows pass")
+    samples = _samples(con, rule_list, counts, pixels=stage == "pixels")
     for level in level_list:
         counts.append((f"duplicate_{level}", *dedup.mark(con, profile, level, scores_dir)))
+    samples |= _duplicate_samples(con, level_list, pixels=stage == "pixels")
     return waterfall.build(
-        stage=label,
-        profile=profile.name,
-        num_in=num_in,
-        counts=counts,
-        samples=_samples(con, rule_list, level_list, counts, pixels=stage == "pixels"),
+        stage=label, profile=profile.name, num_in=num_in, counts=counts, samples=samples
     )
+
+
+def _sample_columns(con: duckdb.DuckDBPyConnection) -> str:
+    have = {r[0] for r in con.sql("DESCRIBE rows").fetchall()}
+    return ", ".join(_ident(c) for c in (*SAMPLE_COLUMNS, "filename") if c in have)
+
+
+def _fetch_samples(con: duckdb.DuckDBPyConnection, sql: str, pixels: bool) -> list[dict]:
+    return [_sample(row, pixels) for row in to_arrow(con.sql(sql)).to_pylist()]
 
 
 def _samples(
     con: duckdb.DuckDBPyConnection,
     rule_list: list[Rule],
-    level_list: list[str],
     counts: list[tuple[str, int, int]],
     *,
     pixels: bool,
 ) -> dict[str, list[dict]]:
-    """Up to MAX_SAMPLES rejected rows per reason: the first in file order (metadata, a plain
-    scan that stops early) or by key (pixels, a join)."""
-    removed = {reason: n for reason, _, n in counts}
-    order = " ORDER BY key" if pixels else ""
-    have = {r[0] for r in con.sql("DESCRIBE rows").fetchall()}
-    columns = ", ".join(_ident(c) for c in (*SAMPLE_COLUMNS, "filename") if c in have)
+    """Up to MAX_SAMPLES rejected rows per rule: the first in file order (metadata) or by key
+    (pixels). Metadata samples come from the first SAMPLE_HEAD rows where those hold enough
+    (one short scan for every rule), else from a scan of `rows` that stops early."""
+    columns = _sample_columns(con)
     out: dict[str, list[dict]] = {}
-    for i, r in enumerate(rule_list):
-        if not removed[r.reason]:
+    if not pixels and any(removed for _, _, removed in counts):
+        con.sql(
+            f"CREATE TEMP TABLE sample_head AS SELECT {columns}, {_failed(rule_list)} AS {MASK} "
+            f"FROM rows LIMIT {SAMPLE_HEAD}"
+        )  # insertion order is scan order: rowid orders it
+    for i, (r, (_, _, removed)) in enumerate(zip(rule_list, counts, strict=True)):
+        if not removed:
             continue
+        if not pixels:  # the rows whose lowest bit set is bit i
+            out[r.reason] = _fetch_samples(
+                con,
+                f"SELECT {columns} FROM sample_head WHERE {MASK} & {(2 << i) - 1}::UBIGINT = "
+                f"{1 << i}::UBIGINT ORDER BY rowid LIMIT {MAX_SAMPLES}",
+                pixels,
+            )
+            if len(out[r.reason]) == min(removed, MAX_SAMPLES):
+                continue
         before = "".join(f" AND coalesce({p.passes}, false)" for p in rule_list[:i])
-        rows = con.sql(
-            f"SELECT {columns} FROM rows WHERE NOT coalesce({r.passes}, false){before}{order} "
-            f"LIMIT {MAX_SAMPLES}"
+        out[r.reason] = _fetch_samples(
+            con,
+            f"SELECT {columns} FROM rows WHERE NOT coalesce({r.passes}, false){before}"
+            f"{' ORDER BY key' if pixels else ''} LIMIT {MAX_SAMPLES}",
+            pixels,
         )
-        out[r.reason] = [_sample(row, pixels) for row in to_arrow(rows).to_pylist()]
-    for level in level_list:
-        rows = con.sql(
-            f"SELECT {columns} FROM passing WHERE reason = 'duplicate_{level}' ORDER BY key "
-            f"LIMIT {MAX_SAMPLES}"
-        )
-        out[f"duplicate_{level}"] = [_sample(row, pixels) for row in to_arrow(rows).to_pylist()]
     return out
+
+
+def _duplicate_samples(
+    con: duckdb.DuckDBPyConnection, level_list: list[str], *, pixels: bool
+) -> dict[str, list[dict]]:
+    columns = _sample_columns(con)
+    return {
+        f"duplicate_{level}": _fetch_samples(
+            con,
+            f"SELECT {columns} FROM passing WHERE reason = 'duplicate_{level}' ORDER BY key "
+            f"LIMIT {MAX_SAMPLES}",
+            pixels,
+        )
+        for level in level_list
+    }
 
 
 def _sample(row: dict, with_tar: bool) -> dict:
@@ -381,12 +416,16 @@ def _write_shards(kept: pa.Table, out_dir: Path, samples_per_shard: int) -> int:
     """Split `kept` (ordered by key) into NNNNN.parquet shards; returns the shard count."""
     for old in out_dir.glob("[0-9]*.parquet"):
         old.unlink()
-    num_shards = 0
-    for start in range(0, kept.num_rows, samples_per_shard):
-        with atomic_path(out_dir / f"{shard_name(num_shards)}.parquet") as tmp:
-            pq.write_table(kept.slice(start, samples_per_shard), tmp)
-        num_shards += 1
-    return num_shards
+    starts = range(0, kept.num_rows, samples_per_shard)
+
+    def write(index: int) -> None:
+        with atomic_path(out_dir / f"{shard_name(index)}.parquet") as tmp:
+            pq.write_table(kept.slice(starts[index], samples_per_shard), tmp)
+
+    # Encoding and compressing a shard holds no GIL: one writer per core.
+    with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1) or 1) as pool:
+        list(pool.map(write, range(len(starts))))
+    return len(starts)
 
 
 def record(stats: ShardStats, wf: Waterfall) -> None:
