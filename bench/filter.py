@@ -102,15 +102,16 @@ def cached_file(rows: int, cache_dir: Path) -> Path:
 
 
 def pandas_filter(path: Path, profile, out_dir: Path, samples_per_shard: int) -> dict:
-    """The stage's decisions in pandas: first failing rule, each rule alone, URL dedup among the
-    rows that pass (smallest key kept), kept rows written as key-ordered shards."""
+    """The stage's decisions in pandas: first failing rule, each rule alone, key then URL dedup
+    among the rows that pass (smallest key kept), the keys of up to 16 samples per reason, kept
+    rows written as key-ordered shards."""
     import pandas as pd
 
     df = pd.read_parquet(path)
     url = df["url"]
     side = np.fmin(df["width"].where(df["width"] > 0), df["height"].where(df["height"] > 0))
     fails = {
-        "missing_url": (url.isna() | (url.str.strip() == "")).to_numpy(),
+        "missing_url": (url.isna() | (url.str.strip(" ") == "")).to_numpy(),
         "too_small": (side < profile.min_side).to_numpy(),
     }
     for column, bound, low, high in (
@@ -125,14 +126,57 @@ def pandas_filter(path: Path, profile, out_dir: Path, samples_per_shard: int) ->
     code = np.select(list(fails.values()), list(range(1, len(fails) + 1)), 0)
     dropped = {r: int((code == i + 1).sum()) for i, r in enumerate(fails)}
     alone = {r: int(f.sum()) for r, f in fails.items()}
-    passing = df[code == 0].sort_values("key")
-    dup = passing["url"].duplicated()
-    dropped["duplicate_url"], alone["duplicate_url"] = int(dup.sum()), int(dup.sum())
-    kept = passing[~dup]
+    samples = {
+        r: df["key"].iloc[np.flatnonzero(code == i + 1)[:16]].tolist() for i, r in enumerate(fails)
+    }
+    passing = df[code == 0].sort_values("key", kind="stable")
+    for level in ("key", "url"):
+        dup = passing[level].duplicated() & passing[level].notna()
+        dropped[f"duplicate_{level}"] = alone[f"duplicate_{level}"] = int(dup.sum())
+        samples[f"duplicate_{level}"] = passing["key"][dup].iloc[:16].tolist()
+        passing = passing[~dup]
     out_dir.mkdir(parents=True, exist_ok=True)
-    for i, start in enumerate(range(0, len(kept), samples_per_shard)):
-        kept.iloc[start : start + samples_per_shard].to_parquet(out_dir / f"{i:05d}.parquet")
-    return {"kept": len(kept), "dropped": dropped, "alone": alone}
+    for i, start in enumerate(range(0, len(passing), samples_per_shard)):
+        shard = passing.iloc[start : start + samples_per_shard]
+        # Column by column from numpy: DataFrame.to_parquet would write NaN sizes as nulls.
+        table = pa.table({c: pa.array(shard[c].to_numpy()) for c in shard.columns})
+        pq.write_table(table, out_dir / f"{i:05d}.parquet")
+    return {
+        "kept": len(passing),
+        "dropped": {r: n for r, n in dropped.items() if n},
+        "alone": alone,
+        "samples": {r: keys for r, keys in samples.items() if keys},
+    }
+
+
+def check_same(reference: dict, stats, waterfall: dict, duck_dir: Path, pandas_dir: Path) -> None:
+    """The two implementations made the same decisions and wrote the same rows."""
+    alone = {s["rule"]: s["alone"] for s in waterfall["steps"]}
+    samples = {r: [row["key"] for row in rows] for r, rows in waterfall["samples"].items()}
+    for what, mine, theirs in (
+        ("dropped", stats.dropped, reference["dropped"]),
+        ("kept", stats.num_out, reference["kept"]),
+        ("alone", alone, reference["alone"]),
+        ("samples", samples, reference["samples"]),
+    ):
+        if mine != theirs:
+            raise SystemExit(f"pandas and DuckDB disagree on {what}: {theirs} vs {mine}")
+    duck = sorted(duck_dir.glob("[0-9]*.parquet"))
+    if [p.name for p in duck] != [p.name for p in sorted(pandas_dir.glob("*.parquet"))]:
+        raise SystemExit("pandas and DuckDB wrote different shards")
+    for p in duck:
+        a = pq.read_table(p)
+        b = pq.read_table(pandas_dir / p.name, columns=a.column_names).cast(a.schema)
+        for name in a.column_names:
+            x, y = a[name], b[name]
+            if pa.types.is_floating(x.type):  # NaN equals NaN here; null equals null
+                same = x.is_null().equals(y.is_null()) and np.array_equal(
+                    np.asarray(x.fill_null(0)), np.asarray(y.fill_null(0)), equal_nan=True
+                )
+            else:
+                same = x.equals(y)
+            if not same:
+                raise SystemExit(f"pandas and DuckDB wrote different {name!r} in {p.name}")
 
 
 def main() -> None:
@@ -165,10 +209,11 @@ def main() -> None:
         start = time.perf_counter()
         reference = pandas_filter(path, profile, work / "pandas", source.samples_per_shard)
         pandas_s.append(time.perf_counter() - start)
+        filtered = work / "laion" / "filtered"
+        waterfall = json.loads((filtered / "waterfall.json").read_text())
+        check_same(reference, stats, waterfall, filtered, work / "pandas")
     finally:
         shutil.rmtree(work)
-    if reference["dropped"] != stats.dropped or reference["kept"] != stats.num_out:
-        raise SystemExit(f"pandas and DuckDB disagree: {reference} vs {stats.dropped}")
     best = min(duck_s)
     print(
         json.dumps(
