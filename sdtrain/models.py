@@ -8,9 +8,10 @@ Design choices:
   self- and cross-attention out, feed-forward out, transformer proj_out, conv_out), as the
   recipe did, so every block starts as the identity.
 - The tokenizer is SD1's CLIP BPE, built offline from the vocabulary open_clip ships; ids are
-  identical to `openai/clip-vit-large-patch14`'s tokenizer (pad with 49407, 77 ids). Captions
-  are encoded by that tokenizer's own Rust pipeline, built once and trimmed for speed
-  (`encode_captions`); `build_tokenizer()` is the transformers tokenizer it is tested against.
+  identical to `openai/clip-vit-large-patch14`'s tokenizer (pad with 49407, 77 ids).
+  `encode_captions` is the fast path (a piece cache for ASCII captions, the tokenizer's own
+  Rust pipeline for the rest); `build_tokenizer()` is the transformers tokenizer it is
+  tested against.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
+import itertools
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -130,23 +133,17 @@ def build_tokenizer():
 
 @functools.cache
 def _fast_tokenizers():
-    """(general, ascii): the reference's own `tokenizers` pipeline, trimmed for speed.
+    """(general, pieces): the reference's own `tokenizers` pipeline, trimmed for speed.
 
     Built once per process from `build_tokenizer()`'s backend, so vocabulary, merges, the
-    added-token handling and the pre-tokenizer are the reference's. What is trimmed, and why
-    the ids stay identical (tests/tasks/test_tokenize.py checks them against the reference):
-    - both: no post-processor, padding or truncation: `encode_captions` lays out BOS, the
-      first 75 ids, EOS and EOS padding in numpy, which is what the reference produces.
-    - ascii, for ASCII captions without `<|`: no normalizer, and ByteLevel without its GPT-2
-      regex. On ASCII text NFC is the identity and collapsing whitespace runs moves no split
-      (no piece contains whitespace), so the normalizer reduces to lowercasing, done in
-      Python; the normalizer keeps per-character alignments and costs about as much as the
-      rest of the pipeline. The GPT-2 regex would re-split the pieces of CLIP's split regex,
-      and each such piece (a letter run, one digit, a run of non-space non-letter
-      non-digits, a contraction) is one GPT-2 match; only the `<|startoftext|>` and
-      `<|endoftext|>` alternatives of CLIP's regex give pieces it splits, hence no `<|`.
-      The `<|` rule is needed for the normalizer too: special tokens are matched before
-      normalization (`normalized: false`), so `<|ENDOFTEXT|>` must not be lowercased first.
+    added-token handling and the pre-tokenizer are the reference's. Both lose the
+    post-processor, padding and truncation: `encode_captions` lays out BOS, the first 75 ids,
+    EOS and EOS padding in numpy, which is what the reference produces. `pieces` encodes
+    single pre-tokenized pieces of lowercased ASCII text (see `_ASCII_PIECES`): it has no
+    normalizer (a piece is already lowercase ASCII: NFC and whitespace folding leave it as it
+    is) and ByteLevel runs without its GPT-2 regex, which would re-split a piece only if it
+    were `<|startoftext|>` or `<|endoftext|>` (every other CLIP piece, a letter run, one
+    digit, a contraction or a run of other non-space characters, is one GPT-2 match).
     """
     import json
 
@@ -162,8 +159,38 @@ def _fast_tokenizers():
         raise RuntimeError(f"unexpected CLIP pre-tokenizer: {spec['pre_tokenizer']}")
     byte_level["use_regex"] = False
     spec["normalizer"] = None
-    ascii_only = Tokenizer.from_str(json.dumps(spec))
-    return general, ascii_only
+    pieces = Tokenizer.from_str(json.dumps(spec))
+    return general, pieces
+
+
+# CLIP's split regex (`'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+`, kept
+# matches, the rest dropped) for lowercased ASCII text without `<|` (so its `<|startoftext|>`
+# and `<|endoftext|>` alternatives cannot match), with its classes spelled out: the letters
+# and numbers of ASCII are [a-z] and [0-9], and its whitespace (Oniguruma's \s) is \t \n \v
+# \f \r and space; not Python's \s, which also holds \x1c-\x1f. Python's `re` tries the
+# alternatives in the same order as Oniguruma, so it cuts the same pieces.
+_ASCII_PIECES = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d|[a-z]+|[0-9]|[^\t\n\x0b\x0c\r a-z0-9]+")
+# Piece -> ids, shared by every call in the process. BPE encodes each piece on its own, so a
+# caption's ids are its pieces' ids in order. Replaced by an empty dict when full.
+_PIECE_IDS: dict[str, list[int]] = {}
+_PIECE_CACHE_SIZE = 1_000_000
+
+
+def _piece_ids(pieces_per_caption: list[list[str]]) -> dict[str, list[int]]:
+    """A piece -> ids dict holding every piece given, new ones encoded in one batch."""
+    global _PIECE_IDS
+    cache = _PIECE_IDS
+    needed = {p for pieces in pieces_per_caption for p in pieces}
+    missing = [p for p in needed if p not in cache]
+    if missing:
+        if len(cache) + len(missing) > _PIECE_CACHE_SIZE:
+            cache = _PIECE_IDS = {}  # other threads keep the dict they hold
+            missing = list(needed)
+        encoder = _fast_tokenizers()[1]
+        encodings = encoder.encode_batch_fast(missing, add_special_tokens=False)
+        for piece, encoding in zip(missing, encodings, strict=True):
+            cache[piece] = encoding.ids
+    return cache
 
 
 def encode_captions(captions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -171,35 +198,39 @@ def encode_captions(captions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
     Row layout: BOS 49406, the first 75 caption tokens, EOS 49407, padded with EOS; a caption
     whose count is over 75 was truncated. Ids equal `build_tokenizer()(captions,
-    padding="max_length", truncation=True, max_length=77)`. A batch is encoded in Rust on the
-    `tokenizers` thread pool (RAYON_NUM_THREADS; TOKENIZERS_PARALLELISM=false: one thread).
+    padding="max_length", truncation=True, max_length=77)`. ASCII captions without `<|` (most
+    web captions) are lowercased, cut into pieces in Python and looked up in a piece cache;
+    the others go through the reference's Rust pipeline in one batch, on the `tokenizers`
+    thread pool (RAYON_NUM_THREADS; TOKENIZERS_PARALLELISM=false: one thread).
     """
-    general, ascii_only = _fast_tokenizers()
+    general = _fast_tokenizers()[0]
     n = len(captions)
     ids = np.full((n, MAX_TOKENS), EOS_ID, np.int32)
     ids[:, 0] = BOS_ID
     counts = np.zeros(n, np.int64)
-    ascii_rows, ascii_texts, other_rows, other_texts = [], [], [], []
+    ascii_rows, ascii_pieces, other_rows, other_texts = [], [], [], []
     for i, text in enumerate(captions):
         if text.isascii() and "<|" not in text:
             ascii_rows.append(i)
-            ascii_texts.append(text.lower())
+            ascii_pieces.append(_ASCII_PIECES.findall(text.lower()))
         else:
             other_rows.append(i)
             other_texts.append(text)
     body = MAX_TOKENS - 2
-    for tokenizer, rows, texts in (
-        (ascii_only, ascii_rows, ascii_texts),
-        (general, other_rows, other_texts),
-    ):
-        if not rows:
-            continue
-        encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        for i, encoding in zip(rows, encodings, strict=True):
-            tokens = encoding.ids
-            counts[i] = len(tokens)
-            tokens = tokens[:body]
-            ids[i, 1 : 1 + len(tokens)] = tokens
+
+    def put(i: int, tokens: list[int]) -> None:
+        counts[i] = len(tokens)
+        tokens = tokens[:body]
+        ids[i, 1 : 1 + len(tokens)] = tokens
+
+    if ascii_rows:
+        lookup = _piece_ids(ascii_pieces).__getitem__
+        for i, pieces in zip(ascii_rows, ascii_pieces, strict=True):
+            put(i, list(itertools.chain.from_iterable(map(lookup, pieces))))
+    if other_rows:
+        encodings = general.encode_batch_fast(other_texts, add_special_tokens=False)
+        for i, encoding in zip(other_rows, encodings, strict=True):
+            put(i, encoding.ids)
     return ids, counts
 
 

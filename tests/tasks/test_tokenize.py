@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 
 import ftfy
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from open_clip.tokenizer import SimpleTokenizer
 from transformers import CLIPTokenizer
 
+from sdtrain import models
 from sdtrain.models import encode_captions, tokenize
 from tasks.shards import ShardStats
 from tasks.tokenize import clean_caption, tokenize_shard, tokens_table
@@ -197,6 +199,20 @@ def test_counts_tell_truncated_captions():
     assert ids[0, -1] == EOS and ids[0, -2] != EOS  # 75 tokens: EOS is the last id
     assert ids[1].tolist() == ids[0].tolist()
     assert ids[2].tolist() == [BOS] + [EOS] * (LENGTH - 1)
+
+
+def test_piece_cache_stays_bounded_and_right_under_threads(monkeypatch):
+    """A full piece cache is replaced while other threads still read the one they hold."""
+    texts = [t for t in captions() + random_strings(600) if t.isascii()]
+    expected = encode_captions(texts)[0]
+    monkeypatch.setattr(models, "_PIECE_CACHE_SIZE", 50)
+    monkeypatch.setattr(models, "_PIECE_IDS", {})
+    chunks = [texts[i::4] for i in range(4)] * 5
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda chunk: encode_captions(chunk)[0], chunks))
+    for i, got in enumerate(results):
+        assert (got == expected[i % 4 :: 4]).all()
+    assert len(models._PIECE_IDS) < 50 + len({p for t in texts for p in t.split()}) * 4
 
 
 def test_sdtrain_tokenize_gives_the_same_ids_as_int64(reference_tokenizer):
