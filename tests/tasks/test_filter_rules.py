@@ -220,3 +220,19 @@ def test_rerun_is_skipped_and_keeps_the_output(tmp_path):
         first.dropped,
     )
     assert shard.stat().st_mtime_ns == mtime
+
+
+def test_blank_url_means_spaces_only(tmp_path):
+    # The blank test compares bytes first (`url >= '!'`); what starts with a space, a control
+    # character or a non-ASCII character must still be judged by trim() as before.
+    rows = [
+        row("a", url=" http://x/a.jpg"),
+        row("b", url="!x"),
+        row("c", url="\u00e9t\u00e9.jpg"),
+        row("d", url="\t"),
+        row("e", url="  "),
+        row("f", url=""),
+    ]
+    stats, kept = run_filter(tmp_path, rows)
+    assert [r["key"] for r in kept] == ["a", "b", "c", "d"]
+    assert stats.dropped == {"missing_url": 2}

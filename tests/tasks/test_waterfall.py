@@ -4,7 +4,9 @@ each rule threw away, and a clean zero-row report for an empty input."""
 from __future__ import annotations
 
 import json
+import shutil
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -114,3 +116,64 @@ def test_no_fetched_shards_gives_a_zero_row_report(tmp_path):
     assert (stats.num_in, stats.num_out, stats.dropped) == (0, 0, {})
     wf = Waterfall.read(tmp_path / "src" / "selected" / "waterfall.json")
     assert [s.rule for s in wf.steps][-2:] == ["duplicate_phash", "duplicate_semantic"]
+
+
+RICH = FilterProfile(
+    name="rich",
+    min_aesthetic=6.5,
+    min_similarity=0.28,
+    min_side=512,
+    min_caption_words=3,
+    caption_blocklist=("bad",),
+    url_blocklist=("blocked.com",),
+    dedup=("url",),
+)
+
+
+def test_counts_and_samples_match_a_row_by_row_reference(tmp_path, monkeypatch):
+    # Every rule kind, string and numeric rules interleaved, over three files; the gallery's
+    # samples must be the first rows in file order whether or not the head scan holds them.
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(600):
+        rows.append(
+            row(
+                f"k{i:04d}",
+                url=rng.choice(["http://x/{i}.jpg", "http://cdn.blocked.com/{i}", " ", None]),
+                caption=rng.choice(["a fine caption", "bad caption here", "two words", None]),
+                width=float(rng.choice([800, 100, np.nan])),
+                aesthetic=float(rng.choice([7.0, 5.0, np.nan])),
+                similarity=float(rng.choice([0.3, 0.1])),
+            )
+        )
+        if rows[-1]["url"]:
+            rows[-1]["url"] = rows[-1]["url"].format(i=i % 150)
+    passes = {
+        "missing_url": lambda r: r["url"] is not None and r["url"].strip(" ") != "",
+        "url_blocklist": lambda r: "blocked.com" not in (r["url"] or ""),
+        "too_small": lambda r: not r["width"] < 512,
+        "short_caption": lambda r: len((r["caption"] or "").split()) >= 3,
+        "caption_blocklist": lambda r: "bad" not in (r["caption"] or ""),
+        "aesthetic": lambda r: r["aesthetic"] >= 6.5,
+        "similarity": lambda r: r["similarity"] >= 0.28,
+    }
+    first = [next((n for n, p in passes.items() if not p(r)), None) for r in rows]
+    (tmp_path / "src" / "metadata").mkdir(parents=True)
+    schema = pa.Table.from_pylist([row("schema")]).schema
+    for j, part in enumerate((rows[:250], rows[250:260], rows[260:])):
+        pq.write_table(
+            pa.Table.from_pylist(part, schema=schema),
+            tmp_path / "src" / "metadata" / f"{j}.parquet",
+            row_group_size=64,
+        )
+    for head in (filter_stage.SAMPLE_HEAD, 40):
+        monkeypatch.setattr(filter_stage, "SAMPLE_HEAD", head)
+        shutil.rmtree(tmp_path / "src" / "filtered", ignore_errors=True)
+        filter_stage.filter_metadata(tmp_path, "src", RICH, 100)
+        wf = Waterfall.read(tmp_path / "src" / "filtered" / "waterfall.json")
+        steps = {s.rule: s for s in wf.steps}
+        for name, p in passes.items():
+            assert steps[name].alone == sum(not p(r) for r in rows), name
+            assert steps[name].removed == first.count(name), name
+            expected = [r["key"] for r, f in zip(rows, first, strict=True) if f == name]
+            assert [s["key"] for s in wf.samples.get(name, [])] == expected[:MAX_SAMPLES]
