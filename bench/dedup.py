@@ -8,17 +8,20 @@ Usage: python bench/dedup.py [--rows N] [--max-distance K] [--semantic-rows M] [
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# `python bench/<x>.py` puts bench/ first on the path, where bench/tokenize.py would shadow the
+# standard library's tokenize (imported by torch): the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import json
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def planted_hashes(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, int]:

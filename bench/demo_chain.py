@@ -7,19 +7,22 @@ Usage: python bench/demo_chain.py [--images N]
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# `python bench/<x>.py` puts bench/ first on the path, where bench/tokenize.py would shadow the
+# standard library's tokenize (imported by torch): the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main() -> None:

@@ -9,6 +9,13 @@ VAE encoder (random weights, same FLOPs) at 512 px, bf16 on a GPU.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# `python bench/<x>.py` puts bench/ first on the path, where bench/tokenize.py would shadow the
+# standard library's tokenize (imported by torch): the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import io
 import json
@@ -18,7 +25,6 @@ import platform
 import tarfile
 import tempfile
 import time
-from pathlib import Path
 
 import cv2
 import numpy as np

@@ -8,22 +8,25 @@ Usage: python bench/filter.py [--rows N] [--repeat R] [--cache-dir DIR]
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# `python bench/<x>.py` puts bench/ first on the path, where bench/tokenize.py would shadow the
+# standard library's tokenize (imported by torch): the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GENERATOR_VERSION = 1
 

@@ -11,26 +11,29 @@ worker. Usage: python bench/repack.py [--images N] [--repeat R]
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# `python bench/<x>.py` puts bench/ first on the path, where bench/tokenize.py would shadow the
+# standard library's tokenize (imported by torch): the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import io
 import json
 import os
-import sys
 import tarfile
 import tempfile
 import time
 import zipfile
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.encode import cpu_name, photo_like  # noqa: E402
-from catalog import FilterProfile, Source  # noqa: E402
-from tasks import images  # noqa: E402
-from tasks.adapters.base import Adapter, Entry, index_source, repack_shard  # noqa: E402
+from bench.encode import cpu_name, photo_like
+from catalog import FilterProfile, Source
+from tasks import images
+from tasks.adapters.base import Adapter, Entry, index_source, repack_shard
 
 SIZE = 512
 

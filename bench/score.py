@@ -9,23 +9,26 @@ Usage: python bench/score.py [--device cpu|cuda] [--size tiny|full] [--images N]
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# `python bench/<x>.py` puts bench/ first on the path, where bench/tokenize.py would shadow the
+# standard library's tokenize (imported by torch): the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import io
 import json
 import os
 import platform
 import shutil
-import sys
 import tarfile
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def write_shard(root: Path, shard: str, num_images: int, side: int, seed: int) -> None:

@@ -8,6 +8,13 @@ Usage: python bench/train.py [--device cpu|cuda] [--size tiny|full] [--steps N] 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# `python bench/<x>.py` puts bench/ first on the path, where bench/tokenize.py would shadow the
+# standard library's tokenize (imported by torch): the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
 import argparse
 import contextlib
 import io
@@ -15,15 +22,11 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DENSE_BF16_PEAK_FLOPS = 989e12  # H100 / H200 SXM, dense
 # SD1.5's VAE and CLIP ViT-L/14 text encoder as configs: the full-size bench builds them with
