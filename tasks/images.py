@@ -313,8 +313,12 @@ class DecodePool:
     that kills a worker on its own is dropped as `decoder_crash`, the others are kept.
     """
 
-    def __init__(self, num_workers: int, command: tuple[str, ...] = WORKER_COMMAND):
+    def __init__(
+        self, num_workers: int, command: tuple[str, ...] = WORKER_COMMAND, *, eager: bool = False
+    ):
+        """`eager`: start every worker process now, not at its first task."""
         self.command = command
+        self.eager = eager
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [
             threading.Thread(target=self._serve, name=f"decode-{i}", daemon=True)
@@ -337,6 +341,11 @@ class DecodePool:
 
     def _serve(self) -> None:
         worker = None
+        if self.eager:
+            try:
+                worker = _Worker(self.command)
+            except OSError:  # started again at the first task, which then reports the error
+                worker = None
         while (task := self.tasks.get()) is not None:
             future, request = task
             if not future.set_running_or_notify_cancel():
