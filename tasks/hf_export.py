@@ -14,6 +14,8 @@ Design choices:
   `<root>/<source>/` and renamed to `hf/`. A killed run leaves only the hidden folder (removed
   by the next run), never a half-written `hf/`; the stats record `hf/all.stats.json` is
   written after the rename and marks the export done.
+- Done is done: a second call returns the stats record (skipped) without looking at new token
+  shards; one with another seed or fraction fails. Remove `hf/` to export again.
 - A token row whose key has no row in `selected/` (the shard was re-selected after it was
   tokenized) is dropped as `missing_caption`.
 """
@@ -119,7 +121,14 @@ def export_hf_dataset(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    return run_shard(root, source, STAGE, "all", work)
+    stats = run_shard(root, source, STAGE, "all", work)
+    asked = {"seed": seed, "val_fraction": val_fraction}
+    made = {k: stats.extra.get(k) for k in asked}
+    if made != asked:
+        raise ValueError(
+            f"{final} was exported with {made}, not {asked}: remove it to export again"
+        )
+    return stats
 
 
 def _write_split_streams(

@@ -68,6 +68,8 @@ def test_export_loads_with_the_right_rows_and_columns(tmp_path):
     record = ShardStats.read(tmp_path / "src" / "hf" / "all.stats.json")
     assert record.num_out == len(kept)
     assert export_hf_dataset(tmp_path, "src", val_fraction=0.2, seed=3).skipped
+    with pytest.raises(ValueError, match="remove it to export again"):
+        export_hf_dataset(tmp_path, "src", val_fraction=0.2, seed=4)
 
 
 def test_split_depends_on_key_and_seed_only():
