@@ -20,25 +20,23 @@ Usage: python bench/tokenize.py [--captions N] [--repeats R]
 
 from __future__ import annotations
 
-import os
 import sys
+from pathlib import Path
 
-# This file's name shadows the standard library's `tokenize` (which `inspect` and `linecache`
-# import): take bench/ off the path before anything imports it, and put the repository on.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+# `python bench/<x>.py` puts bench/ first on the path, where this file would shadow the
+# standard library's tokenize (imported by torch): the repository root takes its place.
+sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 NON_ASCII = [
     "café",
@@ -185,7 +183,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     child = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--single", *sys.argv[1:]],
+        [sys.executable, str(Path(__file__).resolve()), "--single", *sys.argv[1:]],
         env=env,
         capture_output=True,
         text=True,
