@@ -172,11 +172,11 @@ def _fast_tokenizers():
 _ASCII_PIECES = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d|[a-z]+|[0-9]|[^\t\n\x0b\x0c\r a-z0-9]+")
 # Piece -> ids, shared by every call in the process. BPE encodes each piece on its own, so a
 # caption's ids are its pieces' ids in order. Replaced by an empty dict when full.
-_PIECE_IDS: dict[str, list[int]] = {}
-_PIECE_CACHE_SIZE = 1_000_000
+_PIECE_IDS: dict[str, tuple[int, ...]] = {}
+_PIECE_CACHE_SIZE = 250_000  # about 50 MB
 
 
-def _piece_ids(pieces_per_caption: list[list[str]]) -> dict[str, list[int]]:
+def _piece_ids(pieces_per_caption: list[list[str]]) -> dict[str, tuple[int, ...]]:
     """A piece -> ids dict holding every piece given, new ones encoded in one batch."""
     global _PIECE_IDS
     cache = _PIECE_IDS
@@ -189,7 +189,7 @@ def _piece_ids(pieces_per_caption: list[list[str]]) -> dict[str, list[int]]:
         encoder = _fast_tokenizers()[1]
         encodings = encoder.encode_batch_fast(missing, add_special_tokens=False)
         for piece, encoding in zip(missing, encodings, strict=True):
-            cache[piece] = encoding.ids
+            cache[piece] = tuple(encoding.ids)
     return cache
 
 
