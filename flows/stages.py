@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -59,6 +60,9 @@ DISPLAY = {
 }
 
 
+PROGRESS_EVERY_S = 1.0
+
+
 class StageFailed(Exception):
     """Some shards of a stage failed; the others finished and are cached."""
 
@@ -67,15 +71,18 @@ def _root_id(root: str) -> str:
     return hashlib.sha1(root.encode()).hexdigest()[:10]
 
 
-def result_storage(root: Path) -> str:
+def result_storage(root: Path) -> LocalFileSystem:
     """A storage block for task results under the data root, saved on the server once.
 
     Results live beside the data they describe: deleting the data root also forgets the
-    cache, so a cached "done" can never point at outputs that are gone.
+    cache, so a cached "done" can never point at outputs that are gone. The saved block
+    itself (not its name) goes to the tasks: a name would be loaded from the server again by
+    every task run (bench/orchestration.py measured that on the critical path).
     """
     name = f"sdpipe-results-{_root_id(str(root))}"
-    LocalFileSystem(basepath=str(root / ".prefect" / "results")).save(name, overwrite=True)
-    return f"local-file-system/{name}"
+    block = LocalFileSystem(basepath=str(root / ".prefect" / "results"))
+    block.save(name, overwrite=True)
+    return block
 
 
 def _cache_key(context, parameters: dict) -> str:
@@ -140,6 +147,7 @@ def run_stage(
     }
     done: dict[str, dict] = {}
     failed: dict[str, str] = {}
+    last_update = time.monotonic()
     for future in as_completed(list(futures)):
         shard = futures[future]
         try:
@@ -147,14 +155,26 @@ def run_stage(
         except Exception as e:  # a shard's failure is reported; the other shards go on
             failed[shard] = f"{type(e).__name__}: {e}"
             logger.error("%s %s/%s failed: %s", name, source, shard, failed[shard])
-        update_progress_artifact(progress_id, 100.0 * (len(done) + len(failed)) / len(futures))
+        finished = len(done) + len(failed)
+        # At most one update a second (and the last): one API call per shard would cost more
+        # than a trivial shard's work on a stage of thousands.
+        if finished == len(futures) or time.monotonic() - last_update >= PROGRESS_EVERY_S:
+            update_progress_artifact(progress_id, 100.0 * finished / len(futures))
+            last_update = time.monotonic()
     publish_counts(source, name, done)
     return done, failed
 
 
+# Counts a stage keeps in its stats records' `extra` that are not drops (the sample is kept),
+# shown beside the drops: captions over 77 tokens, truncated by tokenize.
+COUNTED_EXTRAS = ("truncated",)
+
+
 def publish_counts(source: str, name: str, done: dict[str, dict]) -> None:
-    """A table artifact: samples in / out and drops per reason, per shard and in total."""
+    """A table artifact: samples in / out, drops per reason and counted extras, per shard and
+    in total."""
     reasons = sorted({r for s in done.values() for r in s["dropped"]})
+    extras = [k for k in COUNTED_EXTRAS if any(k in s.get("extra", {}) for s in done.values())]
     rows = []
     for shard in sorted(done):
         s = done[shard]
@@ -164,16 +184,11 @@ def publish_counts(source: str, name: str, done: dict[str, dict]) -> None:
                 "in": s["num_in"],
                 "out": s["num_out"],
                 **{r: s["dropped"].get(r, 0) for r in reasons},
+                **{k: s.get("extra", {}).get(k, 0) for k in extras},
             }
         )
-    rows.append(
-        {
-            "shard": "total",
-            "in": sum(r["in"] for r in rows),
-            "out": sum(r["out"] for r in rows),
-            **{r: sum(row[r] for row in rows) for r in reasons},
-        }
-    )
+    columns = ["in", "out", *reasons, *extras]
+    rows.append({"shard": "total", **{c: sum(row[c] for row in rows) for c in columns}})
     create_table_artifact(
         rows,
         key=f"{source}-{name}-counts",
