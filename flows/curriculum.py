@@ -26,7 +26,7 @@ from prefect.states import Failed
 
 from catalog import Catalog, CatalogError, Phase, load_catalog
 from flows import pools
-from flows.secrets import export_secrets
+from flows.credentials import export_secrets
 from tasks import mix, shards
 from tasks.train import TrainingFailed, launch_training, train_config_for_phase
 

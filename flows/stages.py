@@ -24,8 +24,8 @@ from prefect.artifacts import (
 from prefect.filesystems import LocalFileSystem
 from prefect.futures import as_completed
 
+from flows.credentials import export_secrets
 from flows.pools import gpu_slot
-from flows.secrets import export_secrets
 from tasks.shards import ShardStats, generation
 from tasks.waterfall import MAX_SAMPLES, Waterfall
 

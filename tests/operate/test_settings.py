@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from flows import pools, secrets
+from flows import credentials, pools
 
 
 def test_gpu_pool_limit_name_and_slots(monkeypatch):
@@ -31,7 +31,7 @@ def test_env_secret_is_masked_in_every_handler(monkeypatch):
     handler = Keep()
     logger.addHandler(handler)
     try:
-        assert "WANDB_API_KEY" in secrets.export_secrets(("WANDB_API_KEY",))
+        assert "WANDB_API_KEY" in credentials.export_secrets(("WANDB_API_KEY",))
         logger.warning("key=%s", token)
         try:
             raise RuntimeError(f"401 for {token}")

@@ -100,7 +100,7 @@ def test_secrets_from_a_block_never_reach_the_logs(shared_stack):
     from prefect import flow, get_run_logger
     from prefect.blocks.system import Secret
 
-    from flows import secrets
+    from flows import credentials
 
     token = "hf_" + base64.b32encode(os.urandom(15)).decode().lower()
     saved = os.environ.pop("HF_TOKEN", None)
@@ -110,7 +110,7 @@ def test_secrets_from_a_block_never_reach_the_logs(shared_stack):
 
             @flow(name="secret-check")
             def uses_secret() -> list[str]:
-                found = secrets.export_secrets()
+                found = credentials.export_secrets()
                 logger = get_run_logger()
                 logger.info("token in use: %s", os.environ["HF_TOKEN"])
                 try:
@@ -137,7 +137,7 @@ def test_secrets_from_a_block_never_reach_the_logs(shared_stack):
                         break
                     time.sleep(1)
         text = "\n".join(log.message for log in logs)
-        assert "download failed" in text and secrets.MASK in text
+        assert "download failed" in text and credentials.MASK in text
         assert token not in text
     finally:
         os.environ.pop("HF_TOKEN", None)
