@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from catalog import FilterProfile, Source
-from tasks import demo_source, fetch_images, metadata
+from tasks import demo_source, fetch_images, metadata, tokenize
 from tasks import filter as filter_stage
 from tasks.shards import generation, stats_path
 
@@ -110,6 +110,18 @@ def test_blocklist_fetch_and_refetch(tmp_path, mirror):
     assert {f"{k}.jpg" for k in ok["key"].to_pylist()} == {n for n in after if n.endswith(".jpg")}
     assert not tokens_record.exists()
     assert generation(root, "laion") == 1
+
+    # ... and on to tokens, as build-latents goes on: every sample accounted for.
+    selected = filter_stage.select_pixels(root, "laion", PROFILE)
+    assert selected.num_in == again.num_out  # every fetched image is judged
+    assert selected.num_in == selected.num_out + sum(selected.dropped.values())
+    tokens = tokenize.tokenize_shard(root, "laion", "00000")
+    assert tokens.num_in == selected.num_out
+    assert tokens.num_in == tokens.num_out + sum(tokens.dropped.values())
+    ids = pq.read_table(root / "laion" / "tokens" / "00000.parquet")
+    kept = pq.read_table(root / "laion" / "selected" / "00000.parquet")
+    assert ids["key"].to_pylist() == kept["key"].to_pylist()
+    assert ids["input_ids"].type.list_size == 77
 
 
 def test_a_blocklist_without_url_or_hash_is_one_clear_line(tmp_path, mirror):
