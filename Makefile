@@ -41,14 +41,15 @@ clean: stop
 	rm -rf data
 
 # Debian packages of the operate tests (tests/operate): PostgreSQL for the shared server,
-# Chromium for the dashboard test, docker-compose to validate infra/docker-compose.yml. Each
+# Redis for its message broker, Chromium for the dashboard test, docker-compose to validate
+# infra/docker-compose.yml. Each
 # is installed only if missing, and only where apt-get can run (root or passwordless sudo);
 # a test whose package is missing skips with the reason.
-SYSTEM_PACKAGES := postgresql chromium docker-compose
 
 system-deps:
 	@missing=""; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || missing="$$missing postgresql"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	{ command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1; } || missing="$$missing docker-compose"; \
 	if [ -z "$$missing" ]; then echo "system packages present"; exit 0; fi; \

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.stages import run_stage
@@ -38,6 +39,18 @@ def node_name() -> str:
 
 def _trivial(source: str, shard: str) -> ShardStats:
     return ShardStats(stage=STAGE, source=source, shard=shard, num_in=1, num_out=1)
+
+
+@task(name="plain-shard", cache_policy=NO_CACHE, persist_result=False)
+def plain_shard(i: int) -> int:
+    return i
+
+
+def run_plain(num_shards: int) -> dict:
+    """A bare task per shard (no cache key, result, artifacts): Prefect's own floor."""
+    futures = [plain_shard.submit(i) for i in range(num_shards)]
+    done = sum(1 for f in futures if f.result() is not None)
+    return {"part": 0, "node": node_name(), "done": done, "failed": num_shards - done}
 
 
 def run_part(root: Path, part: int, num_shards: int) -> dict:
@@ -92,9 +105,15 @@ def load(
     data_root: str | None = None,
     deployment: str = "loopback",
     timeout_s: float = 900,
+    plain: bool = False,
 ) -> dict:
-    """`shards` trivial shard tasks here, or split into `parts` child runs on the workers."""
+    """`shards` trivial shard tasks here, or split into `parts` child runs on the workers.
+
+    `plain=True` runs bare tasks instead of the stage path, for comparison.
+    """
     root = shard_io.data_root(data_root)
+    if plain:
+        return run_plain(shards)
     if parts <= 1:
         return run_part(root, part, shards)
     from prefect.deployments import run_deployment

@@ -178,11 +178,11 @@ def deploy(root: Path, port: int, env: dict[str, str] | None = None) -> None:
         raise LocalServerError(f"prefect deploy failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
 
 
-def stop(root: Path) -> list[str]:
-    """Stop this root's workers and server; returns what was stopped."""
+def stop(root: Path, only: tuple[str, ...] | None = None) -> list[str]:
+    """Stop this root's workers and server (or `only` these); returns what was stopped."""
     stopped = []
     workers = sorted(p.name[: -len(".pid")] for p in prefect_dir(root).glob("worker*.pid"))
-    for name in (*workers, "server"):
+    for name in only or (*workers, "server"):
         pid_file = prefect_dir(root) / f"{name}.pid"
         if _alive(pid_file):
             pid = int(pid_file.read_text())
@@ -215,20 +215,32 @@ def start_shared(
     workers: tuple[str, ...] = ("worker-a", "worker-b"),
     worker_limit: int | None = 1,
     env: dict[str, str] | None = None,
+    server_env: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """docs/scale-out.md on loopback: a server on Postgres with basic auth, the pool and every
     deployment, and one worker per (pretend) node; returns the clients' environment.
 
     Each worker gets `SDPIPE_NODE=<its name>` and `SDPIPE_GPU_POOL=<its name>` (one GPU pool
-    per node, as on real nodes where the default is the host name).
+    per node, as on real nodes where the default is the host name). `server_env` adds server
+    settings (e.g. flows.broker.server_env(): Redis messaging).
     """
     client = {**(env or {}), **shared_env(port, auth_string)}
-    server = {**client, "PREFECT_API_DATABASE_CONNECTION_URL": database_url}
-    if auth_string:
-        server["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
-    ensure_server(root, port, env=server)
+    ensure_server(root, port, env=shared_server_env(client, database_url, auth_string, server_env))
     deploy(root, port, env=client)
     for name in workers:
         node = {"SDPIPE_NODE": name, "SDPIPE_GPU_POOL": name}
         ensure_worker(root, port, name, env={**client, **node}, limit=worker_limit)
     return client
+
+
+def shared_server_env(
+    client: dict[str, str],
+    database_url: str,
+    auth_string: str | None,
+    server_env: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The shared server's settings: the clients' plus database, auth and `server_env`."""
+    server = {**client, **(server_env or {}), "PREFECT_API_DATABASE_CONNECTION_URL": database_url}
+    if auth_string:
+        server["PREFECT_SERVER_API_AUTH_STRING"] = auth_string
+    return server

@@ -1,6 +1,7 @@
 """The shared setup of docs/scale-out.md on loopback, once per session: a throwaway PostgreSQL
-cluster (Debian's `postgresql`), a Prefect server on it with basic auth on, the `sdpipe` pool
-with every deployment, two process workers (`worker-a`, `worker-b`: two pretend nodes) and the
+cluster (Debian's `postgresql`), a Prefect server on it with basic auth on (and Redis as its
+message broker where `redis-server` and prefect-redis are installed), the `sdpipe` pool with
+every deployment, two process workers (`worker-a`, `worker-b`: two pretend nodes) and the
 `sdpipe-load/loopback` deployment. Skipped, with the reason, where PostgreSQL cannot run.
 
 The same code starts it in infra/scale_out_local.py and bench/orchestration.py
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import local, postgres
+from flows import broker, local, postgres
 
 
 @dataclass
@@ -28,6 +29,12 @@ class Stack:
     port: int
     auth: str
     env: dict[str, str]  # what a client sets: PREFECT_API_URL, PREFECT_API_AUTH_STRING
+    server_env: dict[str, str]  # what the server was started with
+    redis: bool  # Redis is the server's message broker
+
+    def restart_server(self) -> None:
+        local.stop(self.root, only=("server",))
+        local.ensure_server(self.root, self.port, env=self.server_env)
 
     @property
     def api_url(self) -> str:
@@ -82,21 +89,35 @@ def pg():
 
 
 @pytest.fixture(scope="session")
-def shared_stack(pg, small_catalog, tmp_path_factory) -> Stack:
+def redis_broker():
+    """A Redis for the server's messaging, or None where it cannot run (tests needing it skip)."""
+    if broker.unavailable_reason():
+        yield None
+        return
+    with broker.Redis() as r:
+        yield r
+
+
+@pytest.fixture(scope="session")
+def shared_stack(pg, redis_broker, small_catalog, tmp_path_factory) -> Stack:
     from flows import loadtest
     from tasks.net import free_port
 
     root = tmp_path_factory.mktemp("shared-data")
     port = free_port()
     auth = f"sdpipe:{secrets.token_urlsafe(12)}"
+    database_url = pg.create_database("prefect")
+    broker_env = redis_broker.server_env() if redis_broker else {}
     env = local.start_shared(
         root,
         port,
-        database_url=pg.create_database("prefect"),
+        database_url=database_url,
         auth_string=auth,
         env={"SDPIPE_CATALOG": str(small_catalog), "SDPIPE_DATA": str(root)},
+        server_env=broker_env,
     )
-    stack = Stack(root, port, auth, env)
+    server_env = local.shared_server_env(env, database_url, auth, broker_env)
+    stack = Stack(root, port, auth, env, server_env, redis_broker is not None)
     try:
         with stack.settings():
             loadtest.deploy()

@@ -43,11 +43,15 @@ def test_compose_file_is_valid_and_auth_is_on():
     assert done.returncode == 0, done.stderr
     config = yaml.safe_load(done.stdout)
     services = config["services"]
-    assert {"postgres", "prefect-server", "worker"} <= set(services)
+    assert {"postgres", "redis", "prefect-server", "worker"} <= set(services)
     server, worker = services["prefect-server"]["environment"], services["worker"]["environment"]
     assert server["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://")
     assert server["PREFECT_SERVER_API_AUTH_STRING"] == worker["PREFECT_API_AUTH_STRING"] != ""
     assert worker["PREFECT_API_URL"].endswith(":4200/api")
+    from flows.broker import server_env
+
+    broker = server_env("redis", 6379)
+    assert {k: str(server[k]) for k in broker} == broker  # the settings the tests run with
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"] and devices[0]["count"] == "all"
     assert any(v.endswith(":/data:rw") or v.endswith(":/data") for v in _volumes(services))

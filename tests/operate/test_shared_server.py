@@ -6,12 +6,13 @@ import base64
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from flows import local
+from flows import broker, local
 
 pytestmark = pytest.mark.slow
 
@@ -143,3 +144,29 @@ def test_secrets_from_a_block_never_reach_the_logs(shared_stack):
         os.environ.pop("HF_TOKEN", None)
         if saved is not None:
             os.environ["HF_TOKEN"] = saved
+
+
+def test_a_server_restart_loses_no_task_run(shared_stack):
+    """Runs last in this module: it restarts the shared server.
+
+    Task-run states reach the server as events and wait in its message queue before they are
+    written: in memory by default (a restart loses them, PostgreSQL or not), in a Redis stream
+    with the prefect-redis broker, which the restarted server drains.
+    """
+    if not shared_stack.redis:
+        pytest.skip(f"no Redis broker: {broker.unavailable_reason()}")
+    from prefect.events.worker import EventsWorker
+
+    from flows import loadtest
+
+    shards = 300
+    with shared_stack.settings():
+        state = loadtest.load(shards=shards, plain=True, return_state=True)
+        EventsWorker.drain_all(timeout=60)  # everything sent; the server may not have written it
+        flow_run_id = state.state_details.flow_run_id
+        shared_stack.restart_server()
+        deadline = time.monotonic() + 180
+        while (n := loadtest.count_task_runs([flow_run_id], "Completed")) < shards:
+            assert time.monotonic() < deadline, f"{n} of {shards} task runs recorded"
+            time.sleep(1)
+    assert n == shards
