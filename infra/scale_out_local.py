@@ -1,6 +1,7 @@
 """docs/scale-out.md followed step by step on one machine, over loopback.
 
-Step 1 PostgreSQL, step 2 the server on it with basic auth, step 3 the pool, the deployments
+Step 1 PostgreSQL (and Redis, where redis-server and prefect-redis are installed), step 2 the
+server on them with basic auth, step 3 the pool, the deployments
 and the GPU pool limits, step 4 one worker per node (two pretend nodes here), step 5 a
 build-latents run on a worker, step 6 one run split across the two workers. Prints one JSON
 object; exits 1 if a step's check fails. What this machine cannot do (GPUs, other hosts, the
@@ -41,7 +42,7 @@ def main() -> int:
 
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    from flows import loadtest, local, postgres
+    from flows import broker, loadtest, local, postgres
     from flows.pools import gpu_limit_name
     from tasks.net import free_port
 
@@ -55,14 +56,19 @@ def main() -> int:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     pg = postgres.Postgres()
+    redis = None if broker.unavailable_reason() else broker.Redis()
     try:
-        step(1, "PostgreSQL for the server (the compose file's `postgres` service)")
+        step(1, "PostgreSQL and Redis for the server (compose: `postgres`, `redis`)")
         pg.start()
         db_url = pg.create_database("prefect")
+        broker_env = redis.start().server_env() if redis else {}
+        result["broker"] = "redis" if redis else f"memory ({broker.unavailable_reason()})"
         timings["postgres"] = time.monotonic() - t0
 
         step(2, "the server on PostgreSQL, basic auth on; 3: pool + deployments; 4: workers")
-        env = local.start_shared(root, port, database_url=db_url, auth_string=auth)
+        env = local.start_shared(
+            root, port, database_url=db_url, auth_string=auth, server_env=broker_env
+        )
         timings["server_pool_deploy_workers"] = time.monotonic() - t0 - timings["postgres"]
         # Step 3, the part `start_shared` leaves to the operator: the GPU pool limits, one per
         # node (created on first use otherwise) and the load-test deployment of step 6.
@@ -107,6 +113,8 @@ def main() -> int:
         else:
             local.stop(root)
             pg.stop()
+            if redis:
+                redis.stop()
             shutil.rmtree(work, ignore_errors=True)
 
 
