@@ -42,3 +42,12 @@ def test_env_secret_is_masked_in_every_handler(monkeypatch):
     text = "\n".join(records)
     assert token not in text
     assert "key=********" in text and "401 for ********" in text
+
+
+def test_missing_servers_give_a_reason_to_skip(monkeypatch):
+    from flows import broker, postgres
+
+    monkeypatch.setattr(postgres, "bin_dir", lambda: None)
+    assert "apt-get install postgresql" in postgres.unavailable_reason()
+    monkeypatch.setattr(broker.shutil, "which", lambda name: None)
+    assert "apt-get install redis-server" in broker.unavailable_reason()

@@ -45,6 +45,13 @@ def test_build_latents_demo_on_postgres(shared_stack, demo_run, pg):
     if out.returncode == 0:  # psql is a client package of its own; the server check is enough
         assert out.stdout.strip() == "1"
     assert not list((shared_stack.root / ".prefect").glob("*.db"))
+    # `sdpipe status` tells the same from the data root alone: every stage done, none failed.
+    from flows.status import status
+
+    report = status(shared_stack.root, ["demo"])
+    stages = {s["stage"]: s for s in report["sources"]["demo"]}
+    assert stages["encode"]["done"] >= 2 and stages["encode"]["todo"] == 0
+    assert not any(s["failed"] or s["running"] for s in stages.values())
     # One GPU pool limit per node: the node that encoded created its own, with 1 slot (no GPU).
     with shared_stack.client() as client:
         limits = {g.name: g.limit for g in client.read_global_concurrency_limits(limit=100)}
