@@ -25,6 +25,7 @@ from prefect.filesystems import LocalFileSystem
 from prefect.futures import as_completed
 
 from flows.credentials import export_secrets
+from flows.names import DISPLAY
 from flows.pools import gpu_slot
 from tasks.shards import ShardStats, generation
 from tasks.waterfall import MAX_SAMPLES, Waterfall
@@ -46,18 +47,6 @@ STAGE_VERSIONS = {
 IO_STAGES = {"metadata": 2, "shards": 2}
 # Stages that hold a slot of the node's GPU pool limit (flows/pools.py) while they work.
 GPU_STAGES = {"scores", "latents"}
-# Names shown on the dashboard, as the DAG in DESIGN.md names the stages.
-DISPLAY = {
-    "metadata": "fetch-metadata",
-    "filtered": "filter",
-    "shards": "fetch-images",
-    "scores": "score",
-    "selected": "filter-pixels",
-    "views": "views",
-    "tokens": "tokenize",
-    "hf": "hf-export",
-    "latents": "encode",
-}
 
 
 PROGRESS_EVERY_S = 1.0

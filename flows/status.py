@@ -21,20 +21,12 @@ import contextlib
 import json
 from pathlib import Path
 
+from flows.names import DISPLAY
 from tasks.shards import TMP_MARK, read_stats, summarize
 
-# Stage folders in DAG order, and their dashboard names (as flows.stages.DISPLAY; no Prefect
-# import here, so the command answers in well under a second).
-STAGES = {
-    "metadata": "fetch-metadata",
-    "filtered": "filter",
-    "shards": "fetch-images",
-    "scores": "score",
-    "selected": "filter-pixels",
-    "views": "views",
-    "tokens": "tokenize",
-    "latents": "encode",
-}
+# Stage folders in DAG order, and their dashboard names (the optional HF export is not a
+# stage of every build).
+STAGES = {stage: name for stage, name in DISPLAY.items() if stage != "hf"}
 # Stages with one unit per filtered shard: their "todo" count is known.
 PER_SHARD = ("shards", "scores", "tokens", "latents")
 

@@ -134,3 +134,14 @@ def check_shards(root: Path, chain: Chain, name: str, size: int = 64) -> dict[st
 
 def close(rgb: np.ndarray, color, tol: int = 12) -> bool:
     return bool(np.all(np.abs(rgb.astype(int) - np.array(color)) <= tol))
+
+
+def read_dir(folder: Path) -> pa.Table:
+    """A stage folder's shard tables, in shard order (not its stats records)."""
+    return pa.concat_tables(pq.read_table(p) for p in sorted(folder.glob("[0-9]*.parquet")))
+
+
+def members(tar_path: Path) -> dict[str, bytes]:
+    """Every member of a tar, by name."""
+    with tarfile.open(tar_path) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar}

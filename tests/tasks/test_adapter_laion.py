@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import tarfile
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -16,6 +15,7 @@ from catalog import FilterProfile, Source
 from tasks import demo_source, fetch_images, metadata, tokenize
 from tasks import filter as filter_stage
 from tasks.shards import generation, stats_path
+from tests.tasks.fixtures_archives import members, read_dir
 
 PROFILE = FilterProfile(name="loose", min_side=128, dedup=("url",))
 
@@ -32,15 +32,6 @@ def mirror(tmp_path):
     pq.write_table(table, part)
     return mirror
 
-
-def read_dir(folder) -> pa.Table:
-    """The stage's shard tables, in shard order (not its stats records)."""
-    return pa.concat_tables(pq.read_table(p) for p in sorted(folder.glob("[0-9]*.parquet")))
-
-
-def members(path) -> dict[str, bytes]:
-    with tarfile.open(path) as tar:
-        return {m.name: tar.extractfile(m).read() for m in tar}
 
 
 def test_blocklist_fetch_and_refetch(tmp_path, mirror):

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 import json
-import tarfile
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -19,6 +17,7 @@ from tasks import tokenize as tokens
 from tasks.adapters import SourceLayoutError, adapter_for, index_source, repack_shard
 from tasks.metadata import SourceError, check_source
 from tests.tasks import bad_images as bad
+from tests.tasks.fixtures_archives import members, read_dir
 
 PROFILE = FilterProfile(
     name="tags",
@@ -76,15 +75,6 @@ def folder(tmp_path):
         (d / name).write_bytes(data)
     return d
 
-
-def read_dir(folder) -> pa.Table:
-    """The stage's shard tables, in shard order (not its stats records)."""
-    return pa.concat_tables(pq.read_table(p) for p in sorted(folder.glob("[0-9]*.parquet")))
-
-
-def members(tar_path) -> dict[str, bytes]:
-    with tarfile.open(tar_path) as tar:
-        return {m.name: tar.extractfile(m).read() for m in tar}
 
 
 def test_local_folder_to_shards_and_tokens(tmp_path, folder):
