@@ -83,6 +83,19 @@ def count_task_runs(flow_run_ids: list, state: str | None = None) -> int:
         return int(response.json())
 
 
+
+def wait_recorded(flow_run_ids: list, expected: int, timeout_s: float = 120) -> int:
+    """Completed task runs of these flow runs once the server holds `expected` of them, or
+    what it holds at the timeout. The server writes task runs behind the flows that ran them
+    (20-40 s behind a fast stage here): counting at once undercounts, nothing is lost."""
+    deadline = time.monotonic() + timeout_s
+    while (n := count_task_runs(flow_run_ids, "Completed")) < expected:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    return n
+
+
 def _wait(flow_run_ids: list, timeout_s: float) -> list:
     from prefect.client.orchestration import get_client
 

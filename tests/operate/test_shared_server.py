@@ -83,7 +83,6 @@ def test_auth_is_required(shared_stack, demo_run):
 
 def test_one_run_split_across_two_workers(shared_stack):
     from flows import loadtest
-    from flows.loadtest import count_task_runs
 
     with shared_stack.settings():
         result = loadtest.load(shards=40, parts=2, data_root=str(shared_stack.root / "split"))
@@ -101,7 +100,7 @@ def test_one_run_split_across_two_workers(shared_stack):
         )
     assert len(children) == 2
     with shared_stack.settings():
-        assert count_task_runs([c.id for c in children], "Completed") == 40
+        assert loadtest.wait_recorded([c.id for c in children], 40) == 40
 
 
 def test_secrets_from_a_block_never_reach_the_logs(shared_stack):
