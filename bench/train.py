@@ -28,20 +28,12 @@ import time
 import numpy as np
 import yaml
 
+from bench.encode import SD_VAE
+
 DENSE_BF16_PEAK_FLOPS = 989e12  # H100 / H200 SXM, dense
 # SD1.5's VAE and CLIP ViT-L/14 text encoder as configs: the full-size bench builds them with
 # random weights (speed does not depend on the values) so it runs without downloads.
-SD_VAE_CONFIG = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 4,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "norm_num_groups": 32,
-    "sample_size": 512,
-}
+SD_VAE_CONFIG = SD_VAE | {"sample_size": 512}  # sd-vae-ft-mse, as bench/encode.py
 CLIP_L_TEXT_CONFIG = {
     "vocab_size": 49408,
     "hidden_size": 768,
