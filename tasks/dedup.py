@@ -138,14 +138,24 @@ def mark(
     reason = f"duplicate_{level}"
     if level in ("key", "url", "sha256"):
         order = "filename, file_row_number" if level == "key" else "key, filename, file_row_number"
-        alone = _scalar(con, f"SELECT count({level}) - count(DISTINCT {level}) FROM passing")
+        # Only the values held by more than one row matter: group once, then order the few
+        # rows that hold them (a window over every row cost ~3x as much).
+        con.sql(
+            f"CREATE OR REPLACE TEMP TABLE repeated AS SELECT {level} AS value, "
+            f"count(*) - 1 AS extra FROM passing WHERE {level} IS NOT NULL GROUP BY {level} "
+            "HAVING count(*) > 1"
+        )
+        alone = int(_scalar(con, "SELECT coalesce(sum(extra), 0) FROM repeated"))
+        if alone:
+            con.sql(f"""
+                UPDATE passing SET reason = '{reason}' WHERE rowid IN (
+                    SELECT rowid FROM passing WHERE reason IS NULL
+                    AND {level} IN (SELECT value FROM repeated)
+                    QUALIFY row_number() OVER (PARTITION BY {level} ORDER BY {order}) > 1)
+            """)
+        con.sql("DROP TABLE repeated")
         if alone == 0:
             return 0, 0
-        con.sql(f"""
-            UPDATE passing SET reason = '{reason}' WHERE rowid IN (
-                SELECT rowid FROM passing WHERE reason IS NULL AND {level} IS NOT NULL
-                QUALIFY row_number() OVER (PARTITION BY {level} ORDER BY {order}) > 1)
-        """)
     else:
         rank = f"row_number() OVER (ORDER BY {', '.join(_rank_terms(con))})"
         value = "phash" if level == "phash" else "key"

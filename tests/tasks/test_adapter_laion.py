@@ -33,7 +33,6 @@ def mirror(tmp_path):
     return mirror
 
 
-
 def test_blocklist_fetch_and_refetch(tmp_path, mirror):
     upstream = pq.read_table(mirror / "metadata" / "part-00000.parquet").to_pylist()
     good = [r for r in upstream if "/images/0000" in r["URL"]]
@@ -131,3 +130,34 @@ def test_a_blocklist_without_url_or_hash_is_one_clear_line(tmp_path, mirror):
         metadata.SourceError, match=r"needs a `url` or `hash` column; found \['link'\]"
     ):
         metadata.fetch_metadata_shard(tmp_path, src, 0, location)
+
+
+def test_rows_without_a_url_are_dropped_on_ingest(tmp_path):
+    # Null, empty and whitespace-only URLs are counted as missing_url by the metadata stage, so
+    # no filter profile has to read every URL again; what merely starts oddly is kept.
+    urls = {
+        "null": None,
+        "empty": "",
+        "spaces": "   ",
+        "tab": "\t",
+        "newlines": " \r\n",
+        "leading_space": " http://x/a.jpg",
+        "bang": "!x",
+        "accent": "\u00e9t\u00e9.jpg",
+        "plain": "http://x/b.jpg",
+    }
+    upstream = tmp_path / "up"
+    upstream.mkdir()
+    pq.write_table(
+        pa.table({"URL": list(urls.values()), "TEXT": list(urls), "WIDTH": [600.0] * len(urls)}),
+        upstream / "part-0.parquet",
+    )
+    src = Source(name="laion", kind="url", location=str(upstream), license="t", profile="loose")
+    root = tmp_path / "data"
+    [location] = metadata.list_metadata_files(root, src)
+    stats = metadata.fetch_metadata_shard(root, src, 0, location)
+    assert stats.dropped == {"missing_url": 5}
+    assert (stats.num_in, stats.num_out) == (len(urls), 4)
+    kept = read_dir(root / "laion" / "metadata")
+    assert kept["caption"].to_pylist() == ["leading_space", "bang", "accent", "plain"]
+    assert kept["url"].to_pylist() == [urls[c] for c in kept["caption"].to_pylist()]

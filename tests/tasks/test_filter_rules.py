@@ -83,8 +83,6 @@ def test_profile_keeps_exactly_the_rows_that_pass(tmp_path):
         row("g", width=511.0),
         row("h", height=100.0),
         row("i", width=512.0, height=512.0),
-        row("j", url=""),
-        row("k", url="   "),
     ]
     stats, kept = run_filter(tmp_path, rows)
     assert [r["key"] for r in kept] == ["a", "b", "i"]
@@ -94,9 +92,31 @@ def test_profile_keeps_exactly_the_rows_that_pass(tmp_path):
         "pwatermark": 1,
         "punsafe": 1,
         "too_small": 2,
-        "missing_url": 2,
     }
     assert (stats.num_in, stats.num_out) == (len(rows), 3)
+
+
+def test_a_declared_size_is_judged_only_when_it_is_known(tmp_path):
+    # Metadata sizes: missing, NaN, zero or negative are unknown (the fetched pixels are
+    # measured later), so only a known side under min_side fails; infinity is known and large.
+    sizes = {
+        "null": (None, None),
+        "nan": (math.nan, math.nan),
+        "negative": (-1.0, -5.0),
+        "zero": (0.0, 0.0),
+        "inf": (math.inf, 600.0),
+        "nan_width_small_height": (math.nan, 100.0),
+        "negative_width_small_height": (-1.0, 511.0),
+        "small_width_null_height": (100.0, None),
+        "exactly": (512.0, 512.0),
+        "neg_inf_small": (-math.inf, 10.0),
+    }
+    rows = [row(k, width=w, height=h) for k, (w, h) in sizes.items()]
+    stats, kept = run_filter(tmp_path, rows)
+    failing = {"nan_width_small_height", "negative_width_small_height", "small_width_null_height"}
+    failing.add("neg_inf_small")
+    assert sorted(r["key"] for r in kept) == sorted(set(sizes) - failing)
+    assert stats.dropped == {"too_small": len(failing)}
 
 
 def test_kept_rows_keep_their_columns(tmp_path):
@@ -152,10 +172,9 @@ def test_duplicate_is_judged_among_rows_that_pass_every_other_rule(tmp_path):
 
 
 def test_each_dropped_row_is_counted_once_under_its_first_failing_rule(tmp_path):
-    # Waterfall order: missing_url, too_small, aesthetic, similarity, pwatermark, punsafe.
+    # Waterfall order: too_small, aesthetic, similarity, pwatermark, punsafe.
     every_score_fails = {"aesthetic": 1.0, "similarity": 0.0, "pwatermark": 1.0, "punsafe": 1.0}
     rows = [
-        row("a", url="", width=10.0, **every_score_fails),
         row("b", width=10.0, **every_score_fails),
         row("c", **every_score_fails),
         row("d", **{**every_score_fails, "aesthetic": 7.0}),
@@ -165,7 +184,6 @@ def test_each_dropped_row_is_counted_once_under_its_first_failing_rule(tmp_path)
     stats, kept = run_filter(tmp_path, rows)
     assert kept == []
     assert stats.dropped == {
-        "missing_url": 1,
         "too_small": 1,
         "aesthetic": 1,
         "similarity": 1,
@@ -220,19 +238,3 @@ def test_rerun_is_skipped_and_keeps_the_output(tmp_path):
         first.dropped,
     )
     assert shard.stat().st_mtime_ns == mtime
-
-
-def test_blank_url_means_spaces_only(tmp_path):
-    # The blank test compares bytes first (`url >= '!'`); what starts with a space, a control
-    # character or a non-ASCII character must still be judged by trim() as before.
-    rows = [
-        row("a", url=" http://x/a.jpg"),
-        row("b", url="!x"),
-        row("c", url="\u00e9t\u00e9.jpg"),
-        row("d", url="\t"),
-        row("e", url="  "),
-        row("f", url=""),
-    ]
-    stats, kept = run_filter(tmp_path, rows)
-    assert [r["key"] for r in kept] == ["a", "b", "c", "d"]
-    assert stats.dropped == {"missing_url": 2}

@@ -62,8 +62,8 @@ def test_counts_alone_and_in_sequence_add_up(tmp_path):
     wf = Waterfall.read(tmp_path / "src" / "filtered" / "waterfall.json")
     steps = {s.rule: s for s in wf.steps}
     assert [s.rule for s in wf.steps] == [
-        "missing_url", "too_small", "aesthetic", "similarity", "pwatermark", "punsafe",
-        "duplicate_key", "duplicate_url",
+        "too_small", "aesthetic", "similarity", "pwatermark", "punsafe", "duplicate_key",
+        "duplicate_url",
     ]  # fmt: skip
     assert (steps["too_small"].alone, steps["too_small"].removed) == (2, 2)
     assert (steps["aesthetic"].alone, steps["aesthetic"].removed) == (23, 21)
@@ -139,17 +139,15 @@ def test_counts_and_samples_match_a_row_by_row_reference(tmp_path, monkeypatch):
         rows.append(
             row(
                 f"k{i:04d}",
-                url=rng.choice(["http://x/{i}.jpg", "http://cdn.blocked.com/{i}", " ", None]),
+                url=rng.choice(["http://x/{i}.jpg", "http://cdn.blocked.com/{i}", "http://y/{i}"]),
                 caption=rng.choice(["a fine caption", "bad caption here", "two words", None]),
                 width=float(rng.choice([800, 100, np.nan])),
                 aesthetic=float(rng.choice([7.0, 5.0, np.nan])),
                 similarity=float(rng.choice([0.3, 0.1])),
             )
         )
-        if rows[-1]["url"]:
-            rows[-1]["url"] = rows[-1]["url"].format(i=i % 150)
+        rows[-1]["url"] = rows[-1]["url"].format(i=i % 150)
     passes = {
-        "missing_url": lambda r: r["url"] is not None and r["url"].strip(" ") != "",
         "url_blocklist": lambda r: "blocked.com" not in (r["url"] or ""),
         "too_small": lambda r: not r["width"] < 512,
         "short_caption": lambda r: len((r["caption"] or "").split()) >= 3,
