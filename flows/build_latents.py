@@ -90,12 +90,14 @@ def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = 
     scored = bool(profile.scorer)
     failures: list[str] = []
 
-    def stage(stage_name: str, units: dict, *, needs_all: bool = False) -> dict[str, dict]:
+    def stage(
+        stage_name: str, units: dict, *, needs_all: bool = False, inputs: dict | None = None
+    ) -> dict[str, dict]:
         if needs_all and failures:
             raise StageFailed(
                 f"{DISPLAY[stage_name]} needs every shard before it: " + _failed(failures)
             )
-        done, failed = run_stage(root, name, stage_name, units)
+        done, failed = run_stage(root, name, stage_name, units, inputs)
         failures.extend(f"{DISPLAY[stage_name]}-{name}-{s}" for s in sorted(failed))
         return done
 
@@ -117,7 +119,11 @@ def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = 
     selected_dir = root / name / "selected"
     publish_waterfall(name, selected_dir / "waterfall.json", selected_dir / "gallery.html")
     datasets = sorted(d.name for d in catalog.datasets.values() if d.source == name)
-    stage("views", {d: functools.partial(views.build_view, root, catalog, d) for d in datasets})
+    stage(
+        "views",
+        {d: functools.partial(views.build_view, root, catalog, d) for d in datasets},
+        inputs={d: views.fingerprint(root, catalog, d) for d in datasets},
+    )
     for d in datasets:
         paths = views.view_paths(root, name, d)
         publish_waterfall(name, paths["waterfall"], paths["gallery"])

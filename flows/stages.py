@@ -80,14 +80,24 @@ def _cache_key(context, parameters: dict) -> str:
     # The source's generation changes when finished shards are changed in place (a refetch):
     # then every task runs again, and the stage records decide what is really redone.
     gen = generation(Path(parameters["root"]), source)
-    return f"{stage}-{source}-{parameters['shard']}-v{STAGE_VERSIONS[stage]}-g{gen}-{root_id}"
+    key = f"{stage}-{source}-{parameters['shard']}-v{STAGE_VERSIONS[stage]}-g{gen}-{root_id}"
+    inputs = parameters.get("inputs")
+    return f"{key}-i{inputs}" if inputs else key
 
 
 @task(persist_result=True, cache_key_fn=_cache_key)
 def shard_task(
-    stage: str, source: str, shard: str, root: str, run: Callable[[], ShardStats]
+    stage: str,
+    source: str,
+    shard: str,
+    root: str,
+    run: Callable[[], ShardStats],
+    inputs: str = "",
 ) -> dict:
     """Run one shard of one stage; returns its stats record as a dict.
+
+    `inputs`: a digest of what the unit depends on besides its stage and shard (a view's
+    profile and selection), so a change to them is a cache miss, not a cached "done".
 
     Score and encode shards hold one slot of the GPU pool's global concurrency limit.
     """
@@ -112,9 +122,14 @@ def shard_task(
 
 
 def run_stage(
-    root: Path, source: str, stage: str, units: dict[str, Callable[[], ShardStats]]
+    root: Path,
+    source: str,
+    stage: str,
+    units: dict[str, Callable[[], ShardStats]],
+    inputs: dict[str, str] | None = None,
 ) -> tuple[dict[str, dict], dict[str, str]]:
-    """Submit one task per shard, publish progress and counts.
+    """Submit one task per shard, publish progress and counts; `inputs`: per shard, what its
+    result depends on besides the stage and shard (see `shard_task`).
 
     Every shard runs even if some fail. Returns (stats of finished shards, error per failed
     shard); the caller decides what the failures block.
@@ -130,7 +145,12 @@ def run_stage(
     )
     futures = {
         configured.with_options(task_run_name=f"{name}-{source}-{shard}").submit(
-            stage=stage, source=source, shard=shard, root=str(root), run=run
+            stage=stage,
+            source=source,
+            shard=shard,
+            root=str(root),
+            run=run,
+            inputs=(inputs or {}).get(shard, ""),
         ): shard
         for shard, run in units.items()
     }
