@@ -5,67 +5,21 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from catalog import FilterProfile
 from tasks import filter as filter_stage
+from tests.tasks.metadata_rows import RECIPE, SOURCE, row, write_metadata
 
-SOURCE = "src"
-SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("source", pa.string()),
-        ("url", pa.string()),
-        ("caption", pa.string()),
-        ("width", pa.float64()),
-        ("height", pa.float64()),
-        ("similarity", pa.float64()),
-        ("punsafe", pa.float64()),
-        ("pwatermark", pa.float64()),
-        ("aesthetic", pa.float64()),
-    ]
-)
-PROFILE = FilterProfile(
-    name="strict",
-    min_aesthetic=6.5,
-    min_similarity=0.28,
-    max_pwatermark=0.5,
-    max_punsafe=0.5,
-    min_side=512,
-    dedup=("url", "sha256"),
-)
-GOOD = {
-    "width": 800.0,
-    "height": 600.0,
-    "similarity": 0.3,
-    "punsafe": 0.1,
-    "pwatermark": 0.1,
-    "aesthetic": 7.0,
-}
-
-
-def row(key: str, url: str | None = None, **overrides) -> dict:
-    fields = {
-        "key": key,
-        "source": SOURCE,
-        "url": f"http://x/{key}.jpg" if url is None else url,
-        "caption": f"caption {key}",
-        **GOOD,
-    }
-    fields.update(overrides)
-    return fields
+PROFILE = RECIPE
 
 
 def run_filter(
     root: Path, rows: list[dict], profile: FilterProfile = PROFILE, samples_per_shard: int = 100
 ):
     """Write `rows` as the source's metadata, filter it; returns (stats, kept rows in order)."""
-    (root / SOURCE / "metadata").mkdir(parents=True)
-    pq.write_table(
-        pa.Table.from_pylist(rows, schema=SCHEMA), root / SOURCE / "metadata" / "00000.parquet"
-    )
+    write_metadata(root, rows)
     stats = filter_stage.filter_metadata(root, SOURCE, profile, samples_per_shard)
     shards = sorted((root / SOURCE / "filtered").glob("[0-9]*.parquet"))
     kept = [r for path in shards for r in pq.read_table(path).to_pylist()]

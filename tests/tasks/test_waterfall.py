@@ -3,50 +3,18 @@ each rule threw away, and a clean zero-row report for an empty input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from catalog import FilterProfile
 from tasks import filter as filter_stage
 from tasks.waterfall import MAX_SAMPLES, Waterfall
+from tests.tasks.metadata_rows import RECIPE, row, write_metadata
 
-PROFILE = FilterProfile(
-    name="recipe",
-    min_aesthetic=6.5,
-    min_similarity=0.28,
-    max_pwatermark=0.5,
-    max_punsafe=0.5,
-    min_side=512,
-    dedup=("url",),
-)
-
-
-def row(key: str, **overrides) -> dict:
-    fields = {
-        "key": key,
-        "url": f"http://x/{key}.jpg",
-        "caption": f"<b>caption</b> {key}",
-        "width": 800.0,
-        "height": 600.0,
-        "similarity": 0.3,
-        "punsafe": 0.1,
-        "pwatermark": 0.1,
-        "aesthetic": 7.0,
-    }
-    fields.update(overrides)
-    return fields
-
-
-def write_metadata(root, rows) -> None:
-    (root / "src" / "metadata").mkdir(parents=True)
-    schema = pa.Table.from_pylist([row("schema")]).schema
-    pq.write_table(
-        pa.Table.from_pylist(rows, schema=schema), root / "src" / "metadata" / "0.parquet"
-    )
+PROFILE = dataclasses.replace(RECIPE, dedup=("url",))
 
 
 def test_counts_alone_and_in_sequence_add_up(tmp_path):
@@ -156,14 +124,7 @@ def test_counts_and_samples_match_a_row_by_row_reference(tmp_path, monkeypatch):
         "similarity": lambda r: r["similarity"] >= 0.28,
     }
     first = [next((n for n, p in passes.items() if not p(r)), None) for r in rows]
-    (tmp_path / "src" / "metadata").mkdir(parents=True)
-    schema = pa.Table.from_pylist([row("schema")]).schema
-    for j, part in enumerate((rows[:250], rows[250:260], rows[260:])):
-        pq.write_table(
-            pa.Table.from_pylist(part, schema=schema),
-            tmp_path / "src" / "metadata" / f"{j}.parquet",
-            row_group_size=64,
-        )
+    write_metadata(tmp_path, rows[:250], rows[250:260], rows[260:], row_group_size=64)
     for head in (filter_stage.SAMPLE_HEAD, 40):
         monkeypatch.setattr(filter_stage, "SAMPLE_HEAD", head)
         shutil.rmtree(tmp_path / "src" / "filtered", ignore_errors=True)
