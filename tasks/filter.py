@@ -258,9 +258,13 @@ def judge(
     # The rows that pass: plain conjunctions, which DuckDB pushes into the parquet scan (which
     # then decodes the other columns of the passing rows only).
     where = " AND ".join(f"({r.passes})" for r in rule_list) or "true"
+    # Its row order is never read (every ordered use says ORDER BY): the scan's threads need not
+    # keep file order.
+    con.sql("SET preserve_insertion_order = false")
     con.sql(
         f"CREATE TEMP TABLE passing AS SELECT *, NULL::VARCHAR AS reason FROM rows WHERE {where}"
     )
+    con.sql("RESET preserve_insertion_order")
     # The stage's promise (every row kept or counted under one reason) rests on two
     # evaluations of the same SQL agreeing: a projection above, a pushed-down filter here.
     num_passing = _scalar(con, "SELECT count(*) FROM passing")

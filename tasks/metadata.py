@@ -114,6 +114,13 @@ def normalize(table: pa.Table, source: str, shard: str, origin: str) -> pa.Table
     return pa.table(out)
 
 
+def write_table(table: pa.Table, path: Path) -> None:
+    """A metadata shard as every stage reads it. LZ4 (parquet's LZ4_RAW), not pyarrow's default
+    Snappy: the same size and write time, and the filter, which decompresses every page of it,
+    measured 10-12% less CPU on 10M rows (docs/benchmarks.md)."""
+    pq.write_table(table, path, compression="lz4")
+
+
 def drop_missing_urls(table: pa.Table) -> tuple[pa.Table, int]:
     """(`table` without its rows whose URL is null, empty or only ASCII whitespace, how many).
 
@@ -211,7 +218,7 @@ def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) 
             if removed:
                 stats.drop("blocklist", removed)
         with atomic_path(out) as tmp:
-            pq.write_table(table, tmp)
+            write_table(table, tmp)
         stats.num_out = table.num_rows
         stats.extra = {"origin": location}
 

@@ -42,7 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from catalog import FilterProfile, Source
 from tasks import images
-from tasks.metadata import SourceError
+from tasks.metadata import SourceError, write_table
 from tasks.shards import ShardStats, atomic_path, run_shard, shard_name, stats_path
 from tasks.tokenize import clean_caption
 
@@ -166,7 +166,7 @@ def index_source(root: Path, source: Source, adapter: Adapter) -> ShardStats:
         for start in range(0, len(rows), per_shard):
             shard = shard_name(num_shards)
             with atomic_path(out_dir / f"{shard}.parquet") as tmp:
-                pq.write_table(
+                write_table(
                     sample_table(source, adapter, shard, rows[start : start + per_shard]), tmp
                 )
             num_shards += 1
