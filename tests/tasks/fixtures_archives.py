@@ -99,6 +99,14 @@ def run_chain(root: Path, src: Source, profile: FilterProfile = PROFILE) -> Chai
     return Chain(index, repack, tokens, rows)
 
 
+def served_chain(root: Path, mirror: Path, served: str, name: str, **options) -> Chain:
+    """`run_chain` over `mirror` read from its folder (`served` "local") or over a loopback
+    HTTP server ("http"), with the source's `options`."""
+    serving = http_mirror(mirror) if served == "http" else contextlib.nullcontext(str(mirror))
+    with serving as location:
+        return run_chain(root, source(name, location, **options))
+
+
 def read_shard_tars(root: Path, name: str) -> dict[str, bytes]:
     """member name -> bytes of every shard tar of a source."""
     out = {}

@@ -3,7 +3,6 @@ images/part-NNNNNN.zip (images + part-NNNNNN.json), through index -> repack -> t
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -19,8 +18,7 @@ from tests.tasks.fixtures_archives import (
     PROFILE,
     check_shards,
     close,
-    http_mirror,
-    run_chain,
+    served_chain,
     source,
 )
 
@@ -127,10 +125,7 @@ def write_mirror(folder: Path, *, drop_columns: tuple[str, ...] = ()) -> Path:
 def test_diffusiondb_index_repack_tokens(tmp_path, served):
     mirror = write_mirror(tmp_path / "mirror")
     root = tmp_path / "data"
-    serving = http_mirror(mirror) if served == "http" else contextlib.nullcontext(str(mirror))
-    with serving as location:
-        src = source("diffusiondb", location, per_shard=5, parts=2)
-        chain = run_chain(root, src)
+    chain = served_chain(root, mirror, served, "diffusiondb", per_shard=5, parts=2)
 
     # index: the rows of parts 1 and 2, caption and path faults counted
     assert chain.index.num_in == NUM_CHOSEN

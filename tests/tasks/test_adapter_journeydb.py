@@ -4,7 +4,6 @@ index -> repack -> tokens."""
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import tarfile
@@ -20,8 +19,7 @@ from tests.tasks.fixtures_archives import (
     PROFILE,
     check_shards,
     close,
-    http_mirror,
-    run_chain,
+    served_chain,
     source,
 )
 
@@ -118,10 +116,9 @@ def write_mirror(folder: Path) -> Path:
 def test_journeydb_index_repack_tokens(tmp_path, served):
     mirror = write_mirror(tmp_path / "mirror")
     root = tmp_path / "data"
-    serving = http_mirror(mirror) if served == "http" else contextlib.nullcontext(str(mirror))
-    with serving as location:
-        src = source("journeydb", location, per_shard=6, archives=2, caption_field="Task2.Caption")
-        chain = run_chain(root, src)
+    chain = served_chain(
+        root, mirror, served, "journeydb", per_shard=6, archives=2, caption_field="Task2.Caption"
+    )
 
     assert chain.index.num_in == NUM_CHOSEN
     assert dict(chain.dropped("metadata")) == INDEX_DROPS
