@@ -195,8 +195,9 @@ def drop_blocked(table: pa.Table, blocked: tuple[pa.Array, pa.Array]) -> tuple[p
     hit = pc.fill_null(pc.is_in(table["url"], value_set=urls), False)
     if "hash" in table.column_names and len(hashes):
         hit = pc.or_(hit, pc.fill_null(pc.is_in(table["hash"], value_set=hashes), False))
-    kept = table.filter(pc.invert(hit))
-    return kept, table.num_rows - kept.num_rows
+    drop = hit.to_numpy(zero_copy_only=False)
+    removed = int(drop.sum())
+    return (_without(table, drop), removed) if removed else (table, 0)
 
 
 def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) -> ShardStats:
