@@ -225,6 +225,32 @@ def _failed(rule_list: list[Rule]) -> str:
     return " | ".join(f"({b})" for b in bits) or "0::UBIGINT"
 
 
+def _rule_counts(
+    con: duckdb.DuckDBPyConnection, rule_list: list[Rule]
+) -> tuple[int, list[tuple[str, int, int]]]:
+    """(rows in, per rule: (reason, rows it fails alone, rows it is the first to fail)).
+
+    One scan reading only the rules' columns. It counts passes, not failures: `count_if`
+    counts TRUE only, so a NULL (unknown) pass is a failure with no `coalesce`, and the rows
+    first failing rule i are those passing rules 0..i-1 less those passing 0..i. (Measured on
+    10M rows: 0.39 CPU-s against 0.65 for `count(*) FILTER (NOT coalesce(...))` per rule.)
+    """
+    passes = ", ".join(f"({r.passes}) AS p{i}" for i, r in enumerate(rule_list))
+    prefixes = [" AND ".join(f"p{j}" for j in range(i + 1)) for i in range(len(rule_list))]
+    totals = con.sql(
+        f"SELECT count(*){''.join(f', count_if(p{i})' for i in range(len(rule_list)))}"
+        f"{''.join(f', count_if({p})' for p in prefixes)} FROM (SELECT {passes or 'true'} "
+        "FROM rows)"
+    ).fetchall()[0]
+    totals = [t or 0 for t in totals]  # count_if over no rows is NULL
+    num_in, n = totals[0], len(rule_list)
+    passing_prefix = [num_in, *totals[1 + n :]]  # rows passing rules 0..i-1, for i = 0..n
+    return num_in, [
+        (r.reason, num_in - totals[1 + i], passing_prefix[i] - passing_prefix[i + 1])
+        for i, r in enumerate(rule_list)
+    ]
+
+
 def judge(
     con: duckdb.DuckDBPyConnection,
     profile: FilterProfile,
@@ -242,41 +268,42 @@ def judge(
     if len(rule_list) > 64:
         raise ProfileError(f"profile {profile.name!r} has {len(rule_list)} rules; at most 64")
 
-    # Every rule over every row, one scan reading only the rules' columns: per rule, the rows
-    # it fails alone and the rows it is the first to fail (filtered counts: no grouping).
-    fails = ", ".join(f"NOT coalesce({r.passes}, false) AS f{i}" for i, r in enumerate(rule_list))
-    firsts = [
-        " AND ".join([f"f{i}", *(f"NOT f{j}" for j in range(i))]) for i in range(len(rule_list))
-    ]
-    totals = con.sql(
-        f"SELECT count(*){''.join(f', count(*) FILTER (f{i})' for i in range(len(rule_list)))}"
-        f"{''.join(f', count(*) FILTER ({f})' for f in firsts)} FROM (SELECT {fails or 'true'} "
-        "FROM rows)"
-    ).fetchall()[0]
-    num_in, n = totals[0], len(rule_list)
-    counts = [(r.reason, totals[1 + i], totals[1 + n + i]) for i, r in enumerate(rule_list)]
-    # The rows that pass: plain conjunctions, which DuckDB pushes into the parquet scan (which
-    # then decodes the other columns of the passing rows only).
-    where = " AND ".join(f"({r.passes})" for r in rule_list) or "true"
-    # Its row order is never read (every ordered use says ORDER BY): the scan's threads need not
-    # keep file order.
-    con.sql("SET preserve_insertion_order = false")
-    con.sql(
-        f"CREATE TEMP TABLE passing AS SELECT *, NULL::VARCHAR AS reason FROM rows WHERE {where}"
-    )
-    con.sql("RESET preserve_insertion_order")
-    # The stage's promise (every row kept or counted under one reason) rests on two
-    # evaluations of the same SQL agreeing: a projection above, a pushed-down filter here.
-    num_passing = _scalar(con, "SELECT count(*) FROM passing")
-    if num_passing != num_in - sum(c[2] for c in counts):
-        raise AssertionError(f"rules counted {num_in} - {counts} but {num_passing} rows pass")
-    samples = _samples(con, rule_list, counts, pixels=stage == "pixels")
-    for level in level_list:
-        counts.append((f"duplicate_{level}", *dedup.mark(con, profile, level, scores_dir)))
-    samples |= _duplicate_samples(con, level_list, pixels=stage == "pixels")
+    num_in, counts = _rule_counts(con, rule_list)
+    pixels = stage == "pixels"
+    # The rejected samples come from their own scans of `rows`, on a second connection to the
+    # same database, beside the passing scan (the head scan is single-threaded: ~0.1 s of one
+    # core on 10M rows, overlapped here).
+    with ThreadPoolExecutor(1) as pool, con.cursor() as side:
+        sampling = pool.submit(_samples, side, rule_list, list(counts), pixels=pixels)
+        _passing(con, rule_list)
+        # The stage's promise (every row kept or counted under one reason) rests on two
+        # evaluations of the same SQL agreeing: a projection above, a pushed-down filter here.
+        num_passing = _scalar(con, "SELECT count(*) FROM passing")
+        if num_passing != num_in - sum(c[2] for c in counts):
+            raise AssertionError(f"rules counted {num_in} - {counts} but {num_passing} rows pass")
+        for level in level_list:
+            counts.append((f"duplicate_{level}", *dedup.mark(con, profile, level, scores_dir)))
+        samples = sampling.result()
+    samples |= _duplicate_samples(con, level_list, pixels=pixels)
     return waterfall.build(
         stage=label, profile=profile.name, num_in=num_in, counts=counts, samples=samples
     )
+
+
+def _passing(con: duckdb.DuckDBPyConnection, rule_list: list[Rule]) -> None:
+    """Table `passing`: the rows passing every rule, `reason` NULL.
+
+    The rules are plain conjunctions, which DuckDB pushes into the parquet scan (which then
+    decodes the other columns of the passing rows only). Its row order is never read (every
+    ordered use says ORDER BY), so this session's scan threads need not keep file order; other
+    sessions (the samples' head scan) keep it.
+    """
+    where = " AND ".join(f"({r.passes})" for r in rule_list) or "true"
+    con.sql("SET SESSION preserve_insertion_order = false")
+    con.sql(
+        f"CREATE TEMP TABLE passing AS SELECT *, NULL::VARCHAR AS reason FROM rows WHERE {where}"
+    )
+    con.sql("RESET SESSION preserve_insertion_order")
 
 
 def _sample_columns(con: duckdb.DuckDBPyConnection) -> str:
