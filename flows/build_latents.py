@@ -115,6 +115,7 @@ def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = 
         "selected",
         {filter.ALL: functools.partial(filter.select_pixels, root, name, profile, scored=scored)},
         needs_all=True,
+        inputs={filter.ALL: filter.profile_fingerprint(profile)},
     )
     selected_dir = root / name / "selected"
     publish_waterfall(name, selected_dir / "waterfall.json", selected_dir / "gallery.html")
@@ -168,6 +169,7 @@ def url_stages(root: Path, src: Source, profile, stage) -> tuple[list[str], dict
             )
         },
         needs_all=True,
+        inputs={filter.ALL: filter.profile_fingerprint(profile)},
     )
     filtered_dir = root / name / "filtered"
     publish_waterfall(name, filtered_dir / "waterfall.json", filtered_dir / "gallery.html")

@@ -7,12 +7,14 @@ duplicate; `tasks.dedup`). Exact copies keep the smallest key, near ones the bes
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -23,7 +25,7 @@ import pyarrow.parquet as pq
 
 from catalog import CatalogError, FilterProfile
 from tasks import dedup, waterfall
-from tasks.shards import ShardStats, atomic_path, run_shard, shard_name
+from tasks.shards import ShardStats, atomic_path, run_shard, shard_name, stats_path
 from tasks.waterfall import MAX_SAMPLES, Waterfall
 
 ALL = "all"  # the shard name of a stage that runs as one unit over the whole source
@@ -66,6 +68,17 @@ class ProfileError(CatalogError):
 
     A catalog error: flows report it in one line, as they report any other catalog mistake.
     """
+
+
+class ProfileChanged(CatalogError):
+    """A source's build profile changed after its rows were selected with it."""
+
+
+# What was built from a unit's output, in pipeline order (folders under <root>/<source>/).
+BUILT_AFTER = {
+    "filtered": ("shards", "scores", "selected", "views", "tokens", "hf", "latents"),
+    "selected": ("views", "tokens", "hf", "latents"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +286,7 @@ def judge(
     # The rejected samples come from their own scans of `rows`, on a second connection to the
     # same database, beside the passing scan (the head scan is single-threaded: ~0.1 s of one
     # core on 10M rows, overlapped here).
-    with ThreadPoolExecutor(1) as pool, con.cursor() as side:
+    with con.cursor() as side, ThreadPoolExecutor(1) as pool:  # the thread ends first
         sampling = pool.submit(_samples, side, rule_list, list(counts), pixels=pixels)
         _passing(con, rule_list)
         # The stage's promise (every row kept or counted under one reason) rests on two
@@ -456,6 +469,42 @@ def _write_shards(kept: pa.Table, out_dir: Path, samples_per_shard: int) -> int:
     return len(starts)
 
 
+def profile_settings(profile: FilterProfile) -> dict:
+    """The profile as its stats record keeps it (JSON types)."""
+    return json.loads(json.dumps(asdict(profile), sort_keys=True))
+
+
+def profile_fingerprint(profile: FilterProfile) -> str:
+    """Short hash of the profile's settings: part of the filter tasks' cache keys."""
+    text = json.dumps(profile_settings(profile), sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def check_profile(root: Path, source: str, stage: str, profile: FilterProfile) -> None:
+    """Refuse a finished unit built under other settings of its profile.
+
+    Its output was fetched, scored, tokenized and encoded further on, so rebuilding it alone
+    would leave those stages on the old selection, and reusing it would silently ignore the
+    edit. Records from before sdpipe kept the settings are accepted as they are.
+    """
+    record = stats_path(root, source, stage, ALL)
+    if not record.exists():
+        return
+    built = ShardStats.read(record).extra.get("profile_settings")
+    now = profile_settings(profile)
+    if built is None or built == now:
+        return
+    changed = sorted(k for k in built.keys() | now.keys() if built.get(k) != now.get(k))
+    diff = "; ".join(f"{k}: {built.get(k)!r} -> {now.get(k)!r}" for k in changed)
+    after = ", ".join(BUILT_AFTER[stage])
+    raise ProfileChanged(
+        f"profile {profile.name!r} changed since {record.parent} was built ({diff}). "
+        f"To rebuild with the new settings, delete {record.parent} and the stages built from "
+        f"it ({after} under {record.parent.parent}); to keep fewer samples without "
+        "fetching again, add a dataset (a view) with a stricter profile instead."
+    )
+
+
 def record(stats: ShardStats, wf: Waterfall) -> None:
     stats.num_in, stats.num_out = wf.num_in, wf.num_out
     for reason, n in wf.dropped.items():
@@ -490,9 +539,11 @@ def filter_metadata(
         stats.extra = {
             "num_shards": _write_shards(kept, out_dir, samples_per_shard),
             "profile": profile.name,
+            "profile_settings": profile_settings(profile),
         }
         wf.write(out_dir / "waterfall.json", out_dir / "gallery.html")
 
+    check_profile(root, source, "filtered", profile)
     return run_shard(root, source, "filtered", ALL, work)
 
 
@@ -529,9 +580,15 @@ def select_pixels(
             with atomic_path(out_dir / path.name) as tmp:
                 pq.write_table(mine.select(["key", "caption"]), tmp)
         record(stats, wf)
-        stats.extra = {"num_shards": len(tables), "profile": profile.name, "scored": scored}
+        stats.extra = {
+            "num_shards": len(tables),
+            "profile": profile.name,
+            "profile_settings": profile_settings(profile),
+            "scored": scored,
+        }
         wf.write(out_dir / "waterfall.json", out_dir / "gallery.html")
 
+    check_profile(root, source, "selected", profile)
     if out_dir.exists() and not (out_dir / f"{ALL}.stats.json").exists():
         shutil.rmtree(out_dir)  # a killed earlier run: start the unit over
     return run_shard(root, source, "selected", ALL, work)

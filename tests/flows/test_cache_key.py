@@ -6,6 +6,7 @@ import dataclasses
 
 from catalog import load_catalog
 from flows.stages import _cache_key
+from tasks import filter as filter_stage
 from tasks import views
 from tasks.shards import bump_generation
 
@@ -27,3 +28,22 @@ def test_a_views_profile_and_the_sources_generation_are_in_the_key(tmp_path):
     assert _cache_key(None, {**params, "inputs": after}) != first
     bump_generation(tmp_path, "laion")
     assert _cache_key(None, {**params, "inputs": before}) != first
+
+
+def test_a_build_profiles_settings_are_in_the_filter_tasks_key(tmp_path):
+    # build-latents passes the build profile's fingerprint to the filter and filter-pixels
+    # tasks: an edit is a cache miss, so the stage runs and refuses the stale unit (see
+    # tasks.filter.check_profile) instead of a cached "done".
+    catalog = load_catalog()
+    broad = catalog.profile("laion-broad")
+    assert filter_stage.profile_fingerprint(broad) == filter_stage.profile_fingerprint(
+        dataclasses.replace(broad)
+    )
+    looser = dataclasses.replace(broad, min_aesthetic=6.0)
+    assert filter_stage.profile_fingerprint(looser) != filter_stage.profile_fingerprint(broad)
+    params = {"root": str(tmp_path), "stage": "filtered", "source": "laion", "shard": "all"}
+    keys = {
+        _cache_key(None, {**params, "inputs": filter_stage.profile_fingerprint(p)})
+        for p in (broad, looser)
+    }
+    assert len(keys) == 2

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -192,3 +195,42 @@ def test_rerun_is_skipped_and_keeps_the_output(tmp_path):
         first.dropped,
     )
     assert shard.stat().st_mtime_ns == mtime
+
+
+def test_an_edited_build_profile_is_refused_not_silently_ignored(tmp_path):
+    # The filtered rows were fetched, scored and encoded further on: a finished unit built under
+    # other settings is neither reused as if nothing changed nor rebuilt under the stages built
+    # from it. The error names the change and what to delete; nothing is touched.
+    run_filter(tmp_path, [row("a"), row("b", aesthetic=6.0)])
+    filtered = tmp_path / SOURCE / "filtered"
+    before = {p.name: p.read_bytes() for p in filtered.iterdir()}
+    looser = dataclasses.replace(PROFILE, min_aesthetic=5.5)
+    with pytest.raises(filter_stage.ProfileChanged) as info:
+        filter_stage.filter_metadata(tmp_path, SOURCE, looser, 100)
+    message = str(info.value)
+    assert "profile 'recipe' changed" in message and "min_aesthetic: 6.5 -> 5.5" in message
+    assert str(filtered) in message and "shards, scores, selected" in message
+    assert {p.name: p.read_bytes() for p in filtered.iterdir()} == before
+    # The same settings are still a finished unit; deleting the output rebuilds under the new.
+    assert filter_stage.filter_metadata(tmp_path, SOURCE, PROFILE, 100).skipped
+    shutil.rmtree(filtered)
+    assert filter_stage.filter_metadata(tmp_path, SOURCE, looser, 100).num_out == 2
+
+
+def test_an_edited_profile_is_refused_by_the_pixel_selection_too(tmp_path):
+    run_filter(tmp_path, [row("a", aesthetic=1.0)])
+    filter_stage.select_pixels(tmp_path, SOURCE, PROFILE)
+    stricter = dataclasses.replace(PROFILE, dedup=("url", "sha256", "phash"))
+    with pytest.raises(filter_stage.ProfileChanged, match=r"dedup: \['url', 'sha256'\] -> "):
+        filter_stage.select_pixels(tmp_path, SOURCE, stricter)
+    assert filter_stage.select_pixels(tmp_path, SOURCE, PROFILE).skipped
+
+
+def test_a_record_from_before_profiles_were_recorded_is_accepted(tmp_path):
+    run_filter(tmp_path, [row("a")])
+    record = tmp_path / SOURCE / "filtered" / f"{filter_stage.ALL}.stats.json"
+    stats = json.loads(record.read_text())
+    del stats["extra"]["profile_settings"]
+    record.write_text(json.dumps(stats))
+    looser = dataclasses.replace(PROFILE, min_aesthetic=5.5)
+    assert filter_stage.filter_metadata(tmp_path, SOURCE, looser, 100).skipped
