@@ -217,9 +217,14 @@ def connect() -> duckdb.DuckDBPyConnection:
     Parquet writers leave NaN out of a column's min/max statistics, and DuckDB's statistics
     propagation then folds `score <= 10` (and `isnan(score)`) to constants, passing NaN scores;
     that optimizer is off here. The cost measured on 10M rows: none.
+
+    The allocator returns freed memory to the system from a background thread rather than
+    from the scan's threads (10M rows, alternating side by side, three runs of 5-10 each: best
+    1.52-1.57 s against 1.60-1.66 s, medians 1.62-1.66 s against 1.69-1.74 s).
     """
     con = duckdb.connect()
     con.sql("SET disabled_optimizers = 'statistics_propagation'")
+    con.sql("SET allocator_background_threads = true")
     return con
 
 
