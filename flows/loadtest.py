@@ -83,7 +83,6 @@ def count_task_runs(flow_run_ids: list, state: str | None = None) -> int:
         return int(response.json())
 
 
-
 def wait_recorded(flow_run_ids: list, expected: int, timeout_s: float = 120) -> int:
     """Completed task runs of these flow runs once the server holds `expected` of them, or
     what it holds at the timeout. The server writes task runs behind the flows that ran them

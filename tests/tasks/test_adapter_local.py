@@ -76,7 +76,6 @@ def folder(tmp_path):
     return d
 
 
-
 def test_local_folder_to_shards_and_tokens(tmp_path, folder):
     root = tmp_path / "data"
     src = source(folder, samples_per_shard=4)
