@@ -145,3 +145,27 @@ def test_near_and_semantic_dedup_need_the_score_stage(fetched, scene, tmp_path):
     with pytest.raises(filter_stage.ProfileError) as info:
         filter_stage.select_pixels(tmp_path, "src", PROFILE, scored=False)
     assert "'phash'" in str(info.value) and "scorer" in str(info.value)
+
+
+def test_each_selected_shard_holds_its_own_kept_rows_in_key_order(fetched, tmp_path):
+    # Kept rows are split back by the shard they were fetched in: a shard whose rows were all
+    # dropped (here: copies of earlier shards' bytes, or failed downloads) gets an empty table.
+    def rows(keys, digest=None):
+        return [
+            {"key": k, "caption": k, "width": 256, "height": 256, "sha256": digest or k}
+            for k in keys
+        ]
+
+    fetched(tmp_path, "src", rows(["b2", "a1", "c3"]), shard="00000")
+    fetched(tmp_path, "src", rows(["d1", "d2"], digest="a1"), shard="00001")
+    fetched(
+        tmp_path, "src", rows(["f9", "e5"]) + [{"key": "e0", "status": "http_404"}], shard="00002"
+    )
+    exact = FilterProfile(name="exact", dedup=("sha256",))
+    stats = filter_stage.select_pixels(tmp_path, "src", exact)
+    selected = tmp_path / "src" / "selected"
+    kept = {
+        p.stem: pq.read_table(p)["key"].to_pylist() for p in sorted(selected.glob("[0-9]*.parquet"))
+    }
+    assert kept == {"00000": ["a1", "b2", "c3"], "00001": [], "00002": ["e5", "f9"]}
+    assert stats.dropped == {"duplicate_sha256": 2} and stats.num_out == 5
