@@ -597,13 +597,13 @@ def select_pixels(
             )
         )
         runs = _runs(kept["filename"])
+        unplaced = set(runs) - {str(p) for p in tables}
+        if unplaced:  # a kept row would be written to no shard
+            raise AssertionError(f"kept rows from files not listed as shards: {sorted(unplaced)}")
         kept = kept.select(["key", "caption"])
         out_dir.mkdir(parents=True, exist_ok=True)
         for old in out_dir.glob("[0-9]*.parquet"):
             old.unlink()
-        unplaced = set(runs) - {str(p) for p in tables}
-        if unplaced:  # a kept row would be written to no shard
-            raise AssertionError(f"kept rows from files not listed as shards: {sorted(unplaced)}")
         for path in tables:
             start, length = runs.get(str(path), (0, 0))
             with atomic_path(out_dir / path.name) as tmp:
