@@ -405,6 +405,19 @@ def empty_rows(con: duckdb.DuckDBPyConnection, profile: FilterProfile) -> None:
     con.sql(f"CREATE VIEW rows AS SELECT {select} WHERE false")
 
 
+def _read_files(files: list[Path]) -> str:
+    """SQL reading `files` as one relation, with where each row was read (`POSITION`).
+
+    Columns are matched by name across files only when their schemas differ: DuckDB's
+    `union_by_name` reads every file's footer each time a query binds, 0.25-0.3 s per query
+    over 4,000 shards, where one pass over the schemas here costs 0.4 s once.
+    """
+    schemas = {pq.read_schema(f).remove_metadata() for f in files}
+    union = "union_by_name=true, " if len(schemas) > 1 else ""
+    paths = [str(f) for f in files]
+    return f"read_parquet({paths!r}, {union}filename=true, file_row_number=true)"
+
+
 def pixel_rows(
     con: duckdb.DuckDBPyConnection,
     root: Path,
@@ -424,10 +437,7 @@ def pixel_rows(
     if not tables or (selected_only and not selected):
         empty_rows(con, profile)
         return
-    con.sql(
-        f"CREATE VIEW samples AS SELECT * FROM read_parquet({[str(p) for p in tables]!r}, "
-        "union_by_name=true, filename=true, file_row_number=true) WHERE status = 'success'"
-    )
+    con.sql(f"CREATE VIEW samples AS SELECT * FROM {_read_files(tables)} WHERE status = 'success'")
     query = "SELECT * FROM samples"
     if scored:
         score_files = sorted((root / source / "scores").glob("[0-9]*.parquet"))
@@ -525,12 +535,9 @@ def filter_metadata(
 
     def work(stats: ShardStats) -> None:
         con = connect()
-        files = [str(p) for p in sorted((root / source / "metadata").glob("*.parquet"))]
+        files = sorted((root / source / "metadata").glob("*.parquet"))
         if files:
-            con.sql(
-                f"CREATE VIEW rows AS SELECT * FROM read_parquet({files!r}, union_by_name=true, "
-                "filename=true, file_row_number=true)"
-            )
+            con.sql(f"CREATE VIEW rows AS SELECT * FROM {_read_files(files)}")
         else:
             empty_rows(con, profile)
         wf = judge(con, profile, "metadata", label="filter")

@@ -8,12 +8,13 @@ import math
 import shutil
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from catalog import FilterProfile
 from tasks import filter as filter_stage
-from tests.tasks.metadata_rows import RECIPE, SOURCE, row, write_metadata
+from tests.tasks.metadata_rows import RECIPE, SCHEMA, SOURCE, row, write_metadata
 
 PROFILE = RECIPE
 
@@ -234,3 +235,18 @@ def test_a_record_from_before_profiles_were_recorded_is_accepted(tmp_path):
     record.write_text(json.dumps(stats))
     looser = dataclasses.replace(PROFILE, min_aesthetic=5.5)
     assert filter_stage.filter_metadata(tmp_path, SOURCE, looser, 100).skipped
+
+
+def test_metadata_files_with_other_columns_are_read_by_name(tmp_path):
+    # A source's metadata written by two versions (an extra column, another column order) is
+    # one relation, matched by name; a file lacking the extra column reads it as null.
+    write_metadata(tmp_path, [row("a"), row("b", aesthetic=1.0)])
+    extra = pa.Table.from_pylist([row("c")], schema=SCHEMA).append_column(
+        "license", pa.array(["cc"])
+    )
+    order = list(reversed(extra.column_names))
+    pq.write_table(extra.select(order), tmp_path / SOURCE / "metadata" / "00001.parquet")
+    stats = filter_stage.filter_metadata(tmp_path, SOURCE, PROFILE, 100)
+    kept = pq.read_table(tmp_path / SOURCE / "filtered" / "00000.parquet").to_pylist()
+    assert [(r["key"], r["license"]) for r in kept] == [("a", None), ("c", "cc")]
+    assert stats.dropped == {"aesthetic": 1}
