@@ -16,7 +16,6 @@ Design choices:
 
 from __future__ import annotations
 
-import functools
 import gzip
 import importlib.util
 import itertools
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from catalog import Model
+from sdtrain.lazy import BUILD_LOCK, once
 
 MAX_TOKENS = 77
 BOS_ID = 49406
@@ -50,33 +50,40 @@ def _from_pretrained(cls, location: str, **kwargs):
         ) from None
 
 
-def build_vae(model: Model, seed: int = 0):
-    from diffusers import AutoencoderKL
+# Builders run under BUILD_LOCK: the libraries' lazy imports are not thread-safe, and a
+# random-weight twin seeds the global RNG, so two builds at once would interleave their draws.
 
-    if model.vae_pretrained:
-        return _from_pretrained(AutoencoderKL, model.vae_pretrained)
-    torch.manual_seed(seed)
-    return AutoencoderKL(**model.vae_config)
+
+def build_vae(model: Model, seed: int = 0):
+    with BUILD_LOCK:
+        from diffusers import AutoencoderKL
+
+        if model.vae_pretrained:
+            return _from_pretrained(AutoencoderKL, model.vae_pretrained)
+        torch.manual_seed(seed)
+        return AutoencoderKL(**model.vae_config)
 
 
 def build_text_encoder(model: Model, seed: int = 0):
-    from transformers import CLIPTextConfig, CLIPTextModel
+    with BUILD_LOCK:
+        from transformers import CLIPTextConfig, CLIPTextModel
 
-    if model.text_pretrained:
-        return _from_pretrained(CLIPTextModel, model.text_pretrained)
-    torch.manual_seed(seed)
-    return CLIPTextModel(CLIPTextConfig(**model.text_config))
+        if model.text_pretrained:
+            return _from_pretrained(CLIPTextModel, model.text_pretrained)
+        torch.manual_seed(seed)
+        return CLIPTextModel(CLIPTextConfig(**model.text_config))
 
 
 def build_unet(model: Model, seed: int = 0):
-    from diffusers import UNet2DConditionModel
+    with BUILD_LOCK:
+        from diffusers import UNet2DConditionModel
 
-    if model.unet_pretrained:
-        return _from_pretrained(UNet2DConditionModel, model.unet_pretrained, subfolder="unet")
-    torch.manual_seed(seed)
-    unet = UNet2DConditionModel(**model.unet_config)
-    zero_init_output_projections(unet)
-    return unet
+        if model.unet_pretrained:
+            return _from_pretrained(UNet2DConditionModel, model.unet_pretrained, subfolder="unet")
+        torch.manual_seed(seed)
+        unet = UNet2DConditionModel(**model.unet_config)
+        zero_init_output_projections(unet)
+        return unet
 
 
 def zero_init_output_projections(unet) -> None:
@@ -104,7 +111,7 @@ def zero_init_output_projections(unet) -> None:
                 layer.bias.zero_()
 
 
-@functools.cache
+@once
 def build_tokenizer():
     """SD1's CLIP tokenizer, built from the BPE vocabulary that open_clip ships.
 
@@ -131,7 +138,7 @@ def build_tokenizer():
     )
 
 
-@functools.cache
+@once
 def _fast_tokenizers():
     """(general, pieces): the reference's own `tokenizers` pipeline, trimmed for speed.
 

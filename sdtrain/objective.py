@@ -7,11 +7,11 @@ resumed. One noise schedule serves training, validation and the DDIM sampler.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from sdtrain.lazy import once
 
 # SD1's training noise schedule; the trainer's DDPM and the sampler's DDIM share it.
 NOISE_SCHEDULE = {
@@ -28,7 +28,7 @@ def alphas_cumprod(device: torch.device | str = "cpu") -> torch.Tensor:
     return _alphas_cumprod(str(device))
 
 
-@functools.cache
+@once
 def _alphas_cumprod(device: str) -> torch.Tensor:
     # One copy per device: a per-step host-to-device copy would stall the CUDA stream.
     from diffusers import DDPMScheduler

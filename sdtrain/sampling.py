@@ -18,6 +18,7 @@ from PIL import Image
 from catalog import Model, load_catalog
 from sdtrain.checkpoint import load_weights
 from sdtrain.config import TrainConfig
+from sdtrain.lazy import BUILD_LOCK
 from sdtrain.models import build_text_encoder, build_unet, build_vae, tokenize
 from sdtrain.objective import NOISE_SCHEDULE
 
@@ -27,7 +28,8 @@ class WeightsNotFound(Exception):
 
 
 def ddim_scheduler(prediction_type: str = "epsilon"):
-    from diffusers import DDIMScheduler
+    with BUILD_LOCK:  # diffusers imports lazily, which is not thread-safe
+        from diffusers import DDIMScheduler
 
     return DDIMScheduler(
         **NOISE_SCHEDULE,

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from catalog import Model
+from sdtrain.lazy import BUILD_LOCK
 from sdtrain.models import build_vae
 from tasks import images
 from tasks.shards import (
@@ -48,7 +49,7 @@ _vaes: dict[tuple[str, str], torch.nn.Module] = {}
 _encoders: dict[tuple[str, str, bool], Callable[[torch.Tensor], torch.Tensor]] = {}
 _pools: dict[int, images.DecodePool] = {}
 _lanes: dict[int, ThreadPoolExecutor] = {}
-_lock = threading.Lock()
+_lock = BUILD_LOCK  # shared with every lazy builder: see sdtrain/lazy.py
 
 
 class EncodeFailed(Exception):

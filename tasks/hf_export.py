@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdtrain.lazy import BUILD_LOCK
 from tasks.shards import TMP_MARK, ShardStats, clean_temporaries, run_shard, stage_dir
 from tasks.tokenize import STAGE as TOKENS
 from tasks.tokenize import clean_caption
@@ -91,7 +92,8 @@ def export_hf_dataset(
     root: Path, source: str, *, val_fraction: float = 0.01, seed: int = 0
 ) -> ShardStats:
     """Write `<root>/<source>/hf/` from every done token shard; skipped once done."""
-    import datasets
+    with BUILD_LOCK:  # its first import may reach transformers' lazy module
+        import datasets
 
     if not 0.0 <= val_fraction <= 1.0:
         raise ValueError(f"val_fraction must be within [0, 1], got {val_fraction}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from PIL import Image
 from torch import nn
 
 from catalog.schema import ScoringModel
+from sdtrain.lazy import BUILD_LOCK
 from tasks.shards import ShardStats, atomic_path, run_shard
 
 STAGE = "scores"
@@ -254,12 +254,11 @@ class Scorer:
 
 
 _scorers: dict[tuple[str, str], Scorer] = {}
-_scorers_lock = threading.Lock()
 
 
 def load_scorer(spec: ScoringModel, device: torch.device) -> Scorer:
     """One Scorer per scoring model, device and process, shared by shard tasks in threads."""
-    with _scorers_lock:
+    with BUILD_LOCK:  # open_clip and timm import lazily too: see sdtrain/lazy.py
         key = (spec.name, str(device))
         if key not in _scorers:
             _scorers[key] = Scorer(spec, device)
