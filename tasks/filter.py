@@ -132,9 +132,9 @@ def rules(
         if stage == "metadata":  # fails only on a known side under the floor (NaN < x is false)
             below = [f"{c} > 0 AND {c} < {profile.min_side}" for c in SIDES]
             passes = " AND ".join(f"NOT coalesce({b}, false)" for b in below)
-        else:
-            smallest = f"least({_side('width')}, {_side('height')})"
-            passes = f"coalesce({smallest} >= {profile.min_side}, false)"
+        else:  # both sides known and at the floor (least() would skip an unknown side)
+            sides = " AND ".join(f"{_side(c)} >= {profile.min_side}" for c in SIDES)
+            passes = f"coalesce({sides}, false)"
         out.append(Rule("too_small", passes, SIDES))
     if profile.min_caption_words:
         words = (

@@ -72,6 +72,23 @@ def test_non_positive_size_is_unknown_metadata_passes_pixels_fail(tmp_path, fetc
     assert (stats.num_in, stats.num_out) == (2, 1)
 
 
+@pytest.mark.parametrize("unknown", [None, float("nan"), -1.0, 0.0])
+def test_one_unknown_pixel_side_fails_the_size_rule(tmp_path, fetched, scene, unknown):
+    # The other side is well above the floor: an unknown side still cannot be shown to pass
+    # (DuckDB's least() skips NULL, so (NULL, 600) once passed min_side 512).
+    profile = FilterProfile(name="size", min_side=512, dedup=())
+    rows = [
+        {"key": "w", "caption": "x", "width": unknown, "height": 600.0, "image": scene(0)},
+        {"key": "h", "caption": "y", "width": 600.0, "height": unknown, "image": scene(1)},
+        {"key": "ok", "caption": "z", "width": 600.0, "height": 600.0, "image": scene(2)},
+    ]
+    fetched(tmp_path, "src", rows)
+    stats = filter_stage.select_pixels(tmp_path, "src", profile)
+    assert stats.dropped == {"too_small": 2}
+    kept = pq.read_table(tmp_path / "src" / "selected" / "00000.parquet")["key"].to_pylist()
+    assert kept == ["ok"]
+
+
 def test_repeated_key_keeps_its_first_copy_in_file_order(tmp_path):
     first = [row("a", caption="first"), row("b")]
     second = [row("a", url="http://x.org/other.jpg", caption="second")]
