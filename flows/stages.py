@@ -2,7 +2,9 @@
 
 The cache key is (stage, source, shard, stage version, data root) and results persist under
 the data root, so retrying a failed flow run resolves finished shards from the cache and runs
-only the shards that failed. Stage logic lives in `tasks/`; nothing here decides data.
+only the shards that failed. The cache is only ever a shortcut for what the shard's record on
+disk says: a unit whose record or outputs are gone runs again (`refresh_cache`), whatever the
+cache holds. Stage logic lives in `tasks/`; nothing here decides data.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from prefect.futures import as_completed
 from flows.credentials import export_secrets
 from flows.names import DISPLAY
 from flows.pools import gpu_slot
-from tasks.shards import ShardStats, generation
+from tasks.shards import ShardStats, generation, is_done
 from tasks.waterfall import MAX_SAMPLES, Waterfall
 
 # Bump a stage's version when its output changes meaning: cached results of older versions
@@ -144,7 +146,11 @@ def run_stage(
         0.0, key=f"{source}-{name}-progress", description=f"{name} {source}: shards done"
     )
     futures = {
-        configured.with_options(task_run_name=f"{name}-{source}-{shard}").submit(
+        configured.with_options(
+            task_run_name=f"{name}-{source}-{shard}",
+            # A cached "done" stands only while the unit's record and outputs do.
+            refresh_cache=not is_done(root, source, stage, shard),
+        ).submit(
             stage=stage,
             source=source,
             shard=shard,

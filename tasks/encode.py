@@ -34,9 +34,9 @@ from tasks import images
 from tasks.shards import (
     ShardStats,
     atomic_path,
+    is_done,
     read_stats,
     run_shard,
-    stats_path,
     write_json_atomic,
 )
 
@@ -516,7 +516,7 @@ def encode_shards(
 ) -> list[ShardStats]:
     """Encode `shards` in order through one pipeline; shards already done are skipped."""
     device = _canonical(torch.device(device) if device is not None else default_device())
-    todo = [s for s in shards if not stats_path(root, source, STAGE, s).exists()]
+    todo = [s for s in shards if not is_done(root, source, STAGE, s)]
     if not todo:
         return [run_shard(root, source, STAGE, s, _never) for s in shards]
     pipeline = _Pipeline(

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -29,7 +28,7 @@ from tasks.shards import (
     bump_generation,
     run_shard,
     stats_path,
-    write_json_atomic,
+    write_record,
 )
 
 STAGE = "shards"
@@ -274,7 +273,7 @@ def refetch_shard(
     invalidate_downstream(root, source, shard)
     with atomic_path(table_path) as tmp_table:
         pq.write_table(merged_table, tmp_table)
-    write_json_atomic(record, asdict(stats))
+    write_record(record, stats)
     return stats
 
 

@@ -1,8 +1,10 @@
 """The shard contract every stage follows: paths, atomic writes, stats records, resumability.
 
-A shard's stage output is done when its stats record `<stage>/NNNNN.stats.json` exists; the
-record is written last, after every output file has been renamed into place, so a killed
-stage leaves at most hidden temporaries, never a half-written file under a final name.
+A shard's stage output is done when its stats record `<stage>/NNNNN.stats.json` exists and
+the outputs it lists (each file's name and size) are still there; the record is written last,
+after every output file has been renamed into place and synced to disk, so a killed stage (or
+machine) leaves at most hidden temporaries, never a half-written file under a final name. A
+record whose outputs are gone (a deleted folder) is not "done": the unit runs again.
 
 A shard whose work raised leaves a failure record `<stage>/NNNNN.failed.json` (error type and
 message, host, pid, time); the shard's next successful run removes it. `sdpipe status` reads
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -23,6 +26,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
+# The shard name of a unit that is a whole stage (filter, filter-pixels, an adapter's index):
+# it owns every file of its folder, temporaries included.
+WHOLE_STAGE = "all"
+RECORD_SUFFIXES = (".stats.json", ".failed.json")
+
+log = logging.getLogger(__name__)
 
 
 def data_root(root: str | Path | None = None) -> Path:
@@ -57,10 +66,21 @@ def atomic_path(final: Path) -> Iterator[Path]:
     tmp = final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}")
     try:
         yield tmp
+        fsync_path(tmp)  # the bytes are on disk before the name says they are
         os.replace(tmp, final)
+        fsync_path(final.parent)  # ... and so is the rename
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's (or a folder's entries') writes to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -96,6 +116,9 @@ class ShardStats:
     dropped: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+    # The unit's output files (name in the stage folder -> bytes; -1: a folder), checked before
+    # a record counts as done. Empty in records of older sdpipe versions: not checked.
+    outputs: dict[str, int] = field(default_factory=dict)
     skipped: bool = False  # True when the shard was already done and nothing ran
 
     def drop(self, reason: str, n: int = 1) -> None:
@@ -121,20 +144,87 @@ def read_stats(root: Path, source: str, stage: str) -> list[ShardStats]:
     return [ShardStats.read(p) for p in sorted(d.glob("*.stats.json"))] if d.is_dir() else []
 
 
+def unit_files(directory: Path, shard: str) -> dict[str, int]:
+    """The output files of one unit in its stage folder: name -> bytes (-1 for a folder).
+
+    A shard's outputs are named `<shard>.*`; a whole-stage unit owns the folder. Records and
+    hidden temporaries are not outputs.
+    """
+    if not directory.is_dir():
+        return {}
+    out = {}
+    for p in directory.iterdir():
+        name = p.name
+        if name.startswith(".") or name.endswith(RECORD_SUFFIXES):
+            continue
+        if shard == WHOLE_STAGE or name.startswith(f"{shard}."):
+            out[name] = -1 if p.is_dir() else p.stat().st_size
+    return out
+
+
+def missing_outputs(directory: Path, outputs: dict[str, int]) -> list[str]:
+    """The recorded outputs that are gone or changed size."""
+    missing = []
+    for name, size in outputs.items():
+        p = directory / name
+        if size < 0:
+            ok = p.is_dir()
+        else:
+            try:
+                ok = p.stat().st_size == size
+            except OSError:
+                ok = False
+        if not ok:
+            missing.append(name)
+    return missing
+
+
+def done_record(root: Path, source: str, stage: str, shard: str) -> ShardStats | None:
+    """The unit's stats record if the unit is done (record there, its outputs intact), else None.
+
+    A record whose outputs are gone is removed, with a warning: the unit is redone.
+    """
+    record = stats_path(root, source, stage, shard)
+    try:
+        stats = ShardStats.read(record)
+    except FileNotFoundError:
+        return None
+    if missing := missing_outputs(record.parent, stats.outputs):
+        log.warning(
+            "%s %s/%s: outputs gone (%s); its record is removed and the unit runs again",
+            stage,
+            source,
+            shard,
+            ", ".join(sorted(missing)[:5]),
+        )
+        record.unlink(missing_ok=True)
+        return None
+    return stats
+
+
+def is_done(root: Path, source: str, stage: str, shard: str) -> bool:
+    return done_record(root, source, stage, shard) is not None
+
+
+def write_record(record: Path, stats: ShardStats) -> None:
+    """The unit's stats record, with its outputs as they are on disk now; written last."""
+    stats.outputs = unit_files(record.parent, stats.shard)
+    write_json_atomic(record, asdict(stats))
+
+
 def run_shard(
     root: Path, source: str, stage: str, shard: str, work: Callable[[ShardStats], None]
 ) -> ShardStats:
-    """Run `work` for one shard unless its stats record says it is done.
+    """Run `work` for one shard unless it is done (`done_record`).
 
     `work` writes its outputs (each through `atomic_path`) and fills in the stats; the stats
     record is written after it returns, which marks the shard done.
     """
     record = stats_path(root, source, stage, shard)
-    if record.exists():
-        stats = ShardStats.read(record)
+    if (stats := done_record(root, source, stage, shard)) is not None:
         stats.skipped = True
         return stats
-    clean_temporaries(record.parent, f"{shard}.")
+    clean_temporaries(record.parent, "" if shard == WHOLE_STAGE else f"{shard}.")
     stats = ShardStats(stage=stage, source=source, shard=shard)
     start = time.perf_counter()
     failure = failure_path(root, source, stage, shard)
@@ -142,7 +232,7 @@ def run_shard(
         work(stats)
         stats.seconds = round(time.perf_counter() - start, 3)
         stats.check_balanced()
-        write_json_atomic(record, asdict(stats))
+        write_record(record, stats)
     except Exception as e:
         write_failure(failure, e, time.perf_counter() - start)
         raise
