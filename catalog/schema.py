@@ -33,6 +33,10 @@ class Source:
     # Layout of an archive/folder source (tasks.adapters): diffusiondb, journeydb, vggface2,
     # coco or local; "" means the source's own name.
     adapter: str = ""
+    # URL sources: fetch URLs whose host is this machine or a private network (loopback,
+    # 10/8, 172.16/12, 192.168/16, link-local, IPv6 ULA, localhost). Off for real sources (a
+    # metadata row must not make the fetcher read internal services); on for the demo.
+    allow_private_hosts: bool = False
     options: dict = field(default_factory=dict)
 
 

@@ -4,11 +4,15 @@ One unit of work per upstream file. Upstream column dialects (LAION's `URL/TEXT/
 and the lowercase `url/caption/...`) are renamed on ingest to the one schema every stage
 reads; a file missing a required column fails with what is missing and what was found.
 A row with no URL to fetch (null, empty or only whitespace) is dropped here, counted as
-`missing_url`: every later stage may rely on a URL being there.
+`missing_url`, and so is a URL that is not http(s) (`bad_url_scheme`: img2dataset would read a
+`file://` URL from the local disk) or, unless the source allows it, one whose host is this
+machine or a private network (`private_host`): every later stage may rely on a fetchable URL.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from pathlib import Path
 
 import fsspec
@@ -157,6 +161,50 @@ def _without(table: pa.Table, drop: np.ndarray) -> pa.Table:
     return pa.concat_tables(runs) if runs else table.slice(0, 0)
 
 
+# An http(s) URL with a host (userinfo skipped; an IPv6 host keeps its brackets).
+_HTTP_HOST = r"^(?i:https?)://(?:[^/?#@]*@)?(?P<host>\[[^\]/?#]+\]|[^/?#:]+)"
+# Hosts that may name this machine or a private network, checked one by one: IP literals in
+# any notation the resolver accepts (dotted, decimal, hex, octal; bracketed IPv6) and
+# localhost. A public name that resolves to a private address is not caught here.
+_MAYBE_PRIVATE = r"^(?:[0-9a-fx.]+|\[.*\]|(?:.*\.)?localhost\.?)$"
+
+
+def is_private_host(host: str) -> bool:
+    """Whether `host` (lowercase, from a URL) is this machine or a private network."""
+    if host == "" or host == "localhost" or host.rstrip(".").endswith(".localhost"):
+        return True
+    try:
+        if host.startswith("["):
+            address = ipaddress.ip_address(host[1:-1].split("%")[0])
+        else:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+    except (ValueError, OSError):
+        return False  # not an address: a name (resolved at fetch time)
+    return not address.is_global
+
+
+def drop_unfetchable(table: pa.Table, *, allow_private_hosts: bool) -> tuple[pa.Table, dict]:
+    """(`table` without rows whose URL is not http(s), or names a private host unless
+    allowed, {reason: rows removed}). Only hosts that look like addresses are parsed in Python."""
+    urls = table["url"]
+    http = pc.fill_null(pc.match_substring_regex(urls, _HTTP_HOST), False)
+    bad_scheme = pc.invert(http).to_numpy(zero_copy_only=False)
+    drop, counts = bad_scheme.copy(), {}
+    if n := int(bad_scheme.sum()):
+        counts["bad_url_scheme"] = n
+    if not allow_private_hosts:
+        hosts = pc.utf8_lower(pc.struct_field(pc.extract_regex(urls, _HTTP_HOST), [0]))
+        maybe = pc.fill_null(pc.match_substring_regex(hosts, _MAYBE_PRIVATE), False)
+        candidates = np.flatnonzero(maybe.to_numpy(zero_copy_only=False) & ~bad_scheme)
+        if len(candidates):
+            picked = hosts.take(pa.array(candidates)).to_pylist()
+            private = candidates[[is_private_host(h) for h in picked]]
+            drop[private] = True
+            if len(private):
+                counts["private_host"] = len(private)
+    return (_without(table, drop) if drop.any() else table), counts
+
+
 def blocklist(source: Source) -> tuple[pa.Array, pa.Array] | None:
     """(blocked URLs, blocked hashes) from the parquet the source option `blocklist` names, or
     None. The file has a `url` column, a `hash` column (LAION's int64 hash), or both."""
@@ -213,6 +261,11 @@ def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) 
         table, removed = drop_missing_urls(table)
         if removed:
             stats.drop("missing_url", removed)
+        table, removed_by = drop_unfetchable(
+            table, allow_private_hosts=source.allow_private_hosts
+        )
+        for reason, n in removed_by.items():
+            stats.drop(reason, n)
         blocked = blocklist(source)
         if blocked is not None:
             table, removed = drop_blocked(table, blocked)

@@ -54,6 +54,7 @@ def test_blocklist_fetch_and_refetch(tmp_path, mirror):
         license="test",
         profile="loose",
         resolution=64,
+        allow_private_hosts=True,  # the mirror is served on 127.0.0.1
         options={"blocklist": str(blocklist)},
     )
     root = tmp_path / "data"
@@ -156,8 +157,60 @@ def test_rows_without_a_url_are_dropped_on_ingest(tmp_path):
     root = tmp_path / "data"
     [location] = metadata.list_metadata_files(root, src)
     stats = metadata.fetch_metadata_shard(root, src, 0, location)
-    assert stats.dropped == {"missing_url": 5}
-    assert (stats.num_in, stats.num_out) == (len(urls), 4)
+    # What is there but is no http(s) URL as written is counted apart.
+    assert stats.dropped == {"missing_url": 5, "bad_url_scheme": 3}
+    assert (stats.num_in, stats.num_out) == (len(urls), 1)
     kept = read_dir(root / "laion" / "metadata")
-    assert kept["caption"].to_pylist() == ["leading_space", "bang", "accent", "plain"]
-    assert kept["url"].to_pylist() == [urls[c] for c in kept["caption"].to_pylist()]
+    assert kept["caption"].to_pylist() == ["plain"]
+    assert kept["url"].to_pylist() == [urls["plain"]]
+
+
+def test_only_http_urls_of_public_hosts_are_fetched(tmp_path):
+    # img2dataset reads file:// URLs from the local disk and fetches whatever host a row names:
+    # on ingest, anything but http(s) is refused, and so are hosts that are this machine or a
+    # private network (in any notation the resolver accepts) unless the source allows them.
+    public = [
+        "http://x.org/a.jpg",
+        "HTTPS://Example.COM/b.png",
+        "http://8.8.8.8/c.jpg",
+        "http://user:pw@x.org/d.jpg",
+        "http://[2001:4860::1]/e.jpg",
+        "http://172.40.0.1/f",
+    ]
+    bad_scheme = [
+        "file:///etc/passwd",
+        "ftp://x.org/a.jpg",
+        "//x.org/a.jpg",
+        "x.org/a.jpg",
+        "data:image/png;base64,AAAA",
+        "http:///a.jpg",
+        "javascript:alert(1)",
+    ]
+    private = ["http://127.0.0.1:8000/a.jpg", "http://localhost/a.jpg", "http://2130706433/a",
+               "http://0x7f000001/a", "http://[::1]/a", "http://u@10.1.2.3/a",
+               "http://192.168.1.1/a", "http://img.localhost/a", "http://169.254.169.254/x",
+               "http://172.20.0.1/x", "http://[fd00::1]/x", "http://0.0.0.0/x"]  # fmt: skip
+    urls = public + bad_scheme + private
+    upstream = tmp_path / "up"
+    upstream.mkdir()
+    pq.write_table(
+        pa.table({"URL": urls, "TEXT": [f"c{i}" for i in range(len(urls))]}),
+        upstream / "part-0.parquet",
+    )
+    for allow, kept in ((False, public), (True, public + private)):
+        src = Source(
+            name="laion",
+            kind="url",
+            location=str(upstream),
+            license="t",
+            profile="loose",
+            allow_private_hosts=allow,
+        )
+        root = tmp_path / f"data-{allow}"
+        [location] = metadata.list_metadata_files(root, src)
+        stats = metadata.fetch_metadata_shard(root, src, 0, location)
+        expected = {"bad_url_scheme": len(bad_scheme)}
+        if not allow:
+            expected["private_host"] = len(private)
+        assert stats.dropped == expected
+        assert read_dir(root / "laion" / "metadata")["url"].to_pylist() == kept
