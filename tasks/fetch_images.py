@@ -1,27 +1,30 @@
 """fetch-images: one filtered URL shard -> img2dataset -> `shards/NNNNN.tar` + sample table.
 
-img2dataset runs in a child process (it installs signal handlers, which only the main thread
-of a process may do, and stage tasks run in threads) and downloads into a hidden temporary
-folder; its tar is then copied member by member
-under sdpipe's stable keys (img2dataset numbers samples by position), and its status parquet
-becomes the shard's sample table, with every failure mapped to a named drop reason.
+img2dataset only downloads (`disable_all_reencoding`: it keeps each image's bytes as served);
+the images then go through sdpipe's own decode workers (`tasks.images`), the one rule set of
+every source: EXIF orientation, 16-bit, alpha, CMYK, bombs (`too_large`), truncation, the size
+floor, resize + crop, JPEG. img2dataset runs in a child process (it installs signal handlers,
+which only a process's main thread may do, and stage tasks run in threads) and writes into a
+hidden temporary folder; its status parquet becomes the shard's sample table, with every
+failure mapped to a named drop reason.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tasks import images
 from tasks.shards import (
     ShardStats,
     atomic_path,
@@ -53,31 +56,6 @@ def drop_reason(error_message: str | None) -> str:
     return "fetch_error"
 
 
-def _repack(src_tar: Path, dst_tar: Path, keys: dict[str, str]) -> None:
-    """Copy the tar with members renamed from img2dataset keys to sdpipe keys."""
-    with tarfile.open(dst_tar, "w") as dst:
-        _append(src_tar, dst, keys)
-
-
-def _append(src_tar: Path, dst: tarfile.TarFile, keys: dict[str, str]) -> None:
-    with tarfile.open(src_tar) as src:
-        for member in src:
-            if not member.isfile():
-                continue
-            old_key, _, ext = member.name.partition(".")
-            key = keys[old_key]
-            data = src.extractfile(member).read()
-            if ext == "json":
-                meta = json.loads(data)
-                meta["key"] = key
-                meta.pop(KEY_COLUMN, None)
-                data = json.dumps(meta).encode()
-            info = tarfile.TarInfo(f"{key}.{ext}")
-            info.size = len(data)
-            info.mtime = member.mtime
-            dst.addfile(info, io.BytesIO(data))
-
-
 class FetchFailed(Exception):
     """img2dataset itself failed (not one URL: the whole shard)."""
 
@@ -107,14 +85,12 @@ def download(
     table: pa.Table,
     workdir: Path,
     *,
-    image_size: int,
-    min_side: int,
     thread_count: int = 16,
     retries: int = 2,
     timeout: int = 10,
-) -> tuple[pa.Table, Path, dict[str, str]]:
-    """img2dataset over `table`'s rows (url, caption, key) into `workdir`: (its status
-    parquet, its tar, img2dataset key -> sdpipe key)."""
+) -> tuple[pa.Table, Path]:
+    """img2dataset over `table`'s rows (url, caption, key) into `workdir`, images kept as
+    served: (its status parquet, with the sdpipe key in KEY_COLUMN; its tar)."""
     pq.write_table(
         table.select(["url", "caption", "key"]).rename_columns(["url", "caption", KEY_COLUMN]),
         workdir / "input.parquet",
@@ -129,9 +105,7 @@ def download(
             save_additional_columns=[KEY_COLUMN],
             output_folder=str(workdir / "out"),
             output_format="webdataset",
-            image_size=image_size,
-            resize_mode="center_crop",
-            min_image_size=min_side,
+            disable_all_reencoding=True,
             processes_count=1,
             thread_count=thread_count,
             number_sample_per_shard=max(table.num_rows, 1),
@@ -141,9 +115,57 @@ def download(
             enable_wandb=False,
         ),
     )
-    status = pq.read_table(workdir / "out" / "00000.parquet")
-    keys = dict(zip(status["key"].to_pylist(), status[KEY_COLUMN].to_pylist(), strict=True))
-    return status, workdir / "out" / "00000.tar", keys
+    return pq.read_table(workdir / "out" / "00000.parquet"), workdir / "out" / "00000.tar"
+
+
+def _raw_images(raw_tar: Path, i2d_keys: dict[str, str], row_of: dict[str, int]) -> Iterator:
+    """(row, bytes, None) of every image img2dataset fetched, in the order of its tar."""
+    with tarfile.open(raw_tar) as src:
+        for member in src:
+            name, _, ext = member.name.partition(".")
+            if member.isfile() and ext == "jpg":  # the served bytes, whatever their format
+                yield row_of[i2d_keys[name]], src.extractfile(member).read(), None
+
+
+def repack_fetched(
+    tar: tarfile.TarFile,
+    rows: pa.Table,
+    status: pa.Table,
+    raw_tar: Path,
+    *,
+    size: int,
+    min_side: int,
+) -> list[tuple[str, int | None, int | None]]:
+    """Decode img2dataset's raw images by sdpipe's rules into `tar` (key.jpg/.txt/.json);
+    per row of `rows` (url, caption, key): (status, stored width, stored height)."""
+    keys = rows["key"].to_pylist()
+    row_of = {k: i for i, k in enumerate(keys)}
+    fetched = {r[KEY_COLUMN]: r for r in status.to_pylist()}
+    out: list[tuple[str, int | None, int | None]] = []
+    for key in keys:
+        r = fetched[key]
+        ok = r["status"] == "success"
+        out.append(("success" if ok else drop_reason(r["error_message"]), None, None))
+    i2d_keys = dict(zip(status["key"].to_pylist(), status[KEY_COLUMN].to_pylist(), strict=True))
+    results = images.repack_stream(
+        images.shared_pool(),
+        _raw_images(raw_tar, i2d_keys, row_of),
+        size,
+        min_side=min_side,
+    )
+    captions = rows["caption"].to_pylist()
+    for i, result in results:
+        if isinstance(result, str):
+            out[i] = (result, None, None)
+            continue
+        jpeg, width, height = result
+        meta = {k: v for k, v in fetched[keys[i]].items() if k != KEY_COLUMN}
+        meta.update(key=keys[i], width=width, height=height)
+        for drop in ("original_width", "original_height", "exif"):
+            meta.pop(drop, None)
+        images.write_sample(tar, keys[i], jpeg, captions[i] or "", meta)
+        out[i] = ("success", width, height)
+    return out
 
 
 def fetch_images_shard(
@@ -162,12 +184,15 @@ def fetch_images_shard(
         table = pq.read_table(filtered)
         stats.num_in = table.num_rows
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-") as tmp:
-            status, tar, keys = download(
-                table, Path(tmp), image_size=image_size, min_side=min_side, **download_options
-            )
-            with atomic_path(out_dir / f"{shard}.tar") as tar_tmp:
-                _repack(tar, tar_tmp, keys)
-        samples = _sample_table(table, status, source)
+            status, raw_tar = download(table, Path(tmp), **download_options)
+            with (
+                atomic_path(out_dir / f"{shard}.tar") as tar_tmp,
+                tarfile.open(tar_tmp, "w") as tar,
+            ):
+                fetched = repack_fetched(
+                    tar, table, status, raw_tar, size=image_size, min_side=min_side
+                )
+        samples = _sample_table(table, status, fetched, source)
         with atomic_path(out_dir / f"{shard}.parquet") as tmp_table:
             pq.write_table(samples, tmp_table)
         _count(stats, samples)
@@ -246,9 +271,7 @@ def refetch_shard(
         return None
     retry = samples.take(pick)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-refetch-") as tmp:
-        status, tar, keys = download(
-            retry, Path(tmp), image_size=image_size, min_side=min_side, **download_options
-        )
+        status, raw_tar = download(retry, Path(tmp), **download_options)
         again = set(retry["key"].to_pylist())
         with (
             atomic_path(out_dir / f"{shard}.tar") as tar_tmp,
@@ -258,8 +281,10 @@ def refetch_shard(
             for member in old:  # what was fetched before stays, byte for byte
                 if member.name.partition(".")[0] not in again:
                     new.addfile(member, old.extractfile(member))
-            _append(tar, new, keys)
-        fresh = _sample_table(retry, status, source)
+            fetched = repack_fetched(
+                new, retry, status, raw_tar, size=image_size, min_side=min_side
+            )
+        fresh = _sample_table(retry, status, fetched, source)
     by_key = {k: i for i, k in enumerate(fresh["key"].to_pylist())}
     rows = samples.to_pylist()
     fresh_rows = fresh.to_pylist()
@@ -288,31 +313,38 @@ def invalidate_downstream(root: Path, source: str, shard: str) -> None:
     bump_generation(root, source)
 
 
-def _sample_table(filtered: pa.Table, status: pa.Table, source: str) -> pa.Table:
-    """The shard's sample table: metadata scores + fetched size, sha256 and status."""
+def _sample_table(
+    filtered: pa.Table,
+    status: pa.Table,
+    fetched: list[tuple[str, int | None, int | None]],
+    source: str,
+) -> pa.Table:
+    """The shard's sample table: metadata scores + stored size, sha256 of the served bytes,
+    status (`success` or the drop reason) and img2dataset's error (or the decode rule's)."""
     by_key = {
-        k: (s, e, w, h, sha)
-        for k, s, e, w, h, sha in zip(
+        k: (e, sha)
+        for k, e, sha in zip(
             status[KEY_COLUMN].to_pylist(),
-            status["status"].to_pylist(),
             status["error_message"].to_pylist(),
-            status["original_width"].to_pylist(),
-            status["original_height"].to_pylist(),
             status["sha256"].to_pylist(),
             strict=True,
         )
     }
     keys = filtered["key"].to_pylist()
-    fetched = [by_key[k] for k in keys]
-    statuses = ["success" if f[0] == "success" else drop_reason(f[1]) for f in fetched]
+    errors, hashes = zip(*(by_key[k] for k in keys), strict=True) if keys else ((), ())
+    statuses = [f[0] for f in fetched]
+    messages = [
+        e if e is not None or s == "success" else f"decode rules: {s}"
+        for e, s in zip(errors, statuses, strict=True)
+    ]
     out = filtered.drop_columns(
         [c for c in ("width", "height", "source") if c in filtered.column_names]
     )
     return (
         out.append_column("source", pa.array([source] * len(keys), pa.string()))
-        .append_column("width", pa.array([f[2] for f in fetched], pa.int64()))
-        .append_column("height", pa.array([f[3] for f in fetched], pa.int64()))
-        .append_column("sha256", pa.array([f[4] for f in fetched], pa.string()))
+        .append_column("width", pa.array([f[1] for f in fetched], pa.int64()))
+        .append_column("height", pa.array([f[2] for f in fetched], pa.int64()))
+        .append_column("sha256", pa.array(list(hashes), pa.string()))
         .append_column("status", pa.array(statuses, pa.string()))
-        .append_column("error_message", pa.array([f[1] for f in fetched], pa.string()))
+        .append_column("error_message", pa.array(messages, pa.string()))
     )

@@ -8,12 +8,18 @@ decode is part of the transform, not an approximation of it. Workers are plain
 
 from __future__ import annotations
 
+import atexit
+import collections
+import io
+import json
 import os
 import pickle
 import queue
 import subprocess
 import sys
+import tarfile
 import threading
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -30,11 +36,16 @@ import numpy as np
 # - other formats (PNG, WebP, GIF, BMP, TIFF) as stored (no EXIF orientation); palette
 #   expanded; 16-bit samples keep their high byte; alpha composited over white (as img2dataset
 #   does for URL sources); samples that are not 8/16-bit integers -> dropped, `unsupported_depth`
+# - more than MAX_PIXELS pixels by the header (a decompression bomb, or nothing a 512 px
+#   sample needs) -> dropped, `too_large`, before any pixel is decoded
 # - aspect ratio above MAX_ASPECT (the resized long side would be huge) -> dropped,
 #   `extreme_aspect`
 # - an image whose decode kills the worker process -> dropped, `decoder_crash` (DecodePool)
 # - then: short side resized to `size` (INTER_AREA down, INTER_CUBIC up), center crop.
 MAX_ASPECT = 64
+MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error limit
+# What a crop box that leaves the image is padded with: mid-gray, 0 in the VAE's [-1, 1] input.
+PAD_FILL = 127
 REDUCED_FLAGS = {
     2: cv2.IMREAD_REDUCED_COLOR_2,
     4: cv2.IMREAD_REDUCED_COLOR_4,
@@ -97,6 +108,34 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
+def header_size(data: bytes, fmt: str) -> tuple[int, int] | None:
+    """(width, height) as the file's header declares it, without decoding; None if unknown."""
+    if fmt == "jpeg":
+        return jpeg_size(data)
+    if fmt == "png" and len(data) >= 24 and data[12:16] == b"IHDR":
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    if data[:2] == b"BM" and len(data) >= 26:
+        return abs(int.from_bytes(data[18:22], "little", signed=True)), abs(
+            int.from_bytes(data[22:26], "little", signed=True)
+        )
+    if fmt == "webp" and len(data) >= 30:
+        chunk = data[12:16]
+        if chunk == b"VP8X":
+            return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(
+                data[27:30], "little"
+            )
+        if chunk == b"VP8L" and data[20] == 0x2F:
+            bits = int.from_bytes(data[21:25], "little")
+            return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+        if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+            return int.from_bytes(data[26:28], "little") & 0x3FFF, int.from_bytes(
+                data[28:30], "little"
+            ) & 0x3FFF
+    return None
+
+
 def reduction(short_side: int, size: int) -> int:
     """The DCT reduction of a JPEG: the largest of 8, 4, 2 that keeps the short side >= size."""
     return next((k for k in (8, 4, 2) if short_side >= k * size), 1)
@@ -107,9 +146,11 @@ def decode_rgb(data: bytes, size: int) -> np.ndarray:
     fmt = sniff(data)
     if is_truncated(data, fmt):
         raise Unusable("truncated")
+    dims = header_size(data, fmt)
+    if dims and dims[0] * dims[1] > MAX_PIXELS:
+        raise Unusable("too_large")
     buf = np.frombuffer(data, np.uint8)
     if fmt == "jpeg":
-        dims = jpeg_size(data)
         k = reduction(min(dims), size) if dims else 1
         bgr = cv2.imdecode(buf, REDUCED_FLAGS[k] if k > 1 else cv2.IMREAD_COLOR)
         if bgr is None:
@@ -183,6 +224,25 @@ def original_size(data: bytes, decoded: np.ndarray, reduced: int) -> tuple[int, 
     return dims if (dims[0] >= dims[1]) == (w >= h) else (dims[1], dims[0])
 
 
+def crop_padded(
+    rgb: np.ndarray, crop: tuple[int, int, int, int], width: int, height: int
+) -> np.ndarray:
+    """The box `crop` (x, y, w, h in stored pixels of a `width` x `height` image) of `rgb` (the
+    image as decoded, maybe reduced), padded with PAD_FILL where it leaves the image."""
+    sx, sy = rgb.shape[1] / width, rgb.shape[0] / height
+    x0, y0 = round(crop[0] * sx), round(crop[1] * sy)
+    x1, y1 = round((crop[0] + crop[2]) * sx), round((crop[1] + crop[3]) * sy)
+    ix0, iy0 = max(0, x0), max(0, y0)
+    ix1, iy1 = min(rgb.shape[1], x1), min(rgb.shape[0], y1)
+    if ix1 - ix0 < 1 or iy1 - iy0 < 1:
+        raise Unusable("empty_crop")
+    if (ix0, iy0, ix1, iy1) == (x0, y0, x1, y1):
+        return rgb[y0:y1, x0:x1]
+    canvas = np.full((y1 - y0, x1 - x0, 3), PAD_FILL, np.uint8)
+    canvas[iy0 - y0 : iy1 - y0, ix0 - x0 : ix1 - x0] = rgb[iy0:iy1, ix0:ix1]
+    return canvas
+
+
 def repack_image(
     data: bytes,
     size: int,
@@ -193,9 +253,9 @@ def repack_image(
 ) -> tuple[bytes, int, int]:
     """(JPEG bytes of the size x size image, stored width, stored height) of an image's bytes.
 
-    The decode rules above, then `crop` (x, y, w, h in stored pixels, clipped to the image) if
-    given, then `fit`. Raises Unusable: the rules' reasons, or `too_small` when the stored
-    short side is under `min_side`.
+    The decode rules above, then `crop` (x, y, w, h in stored pixels; where the box leaves the
+    image it is padded with PAD_FILL) if given, then `fit`. Raises Unusable: the rules'
+    reasons, or `too_small` when the stored short side is under `min_side`.
     """
     fmt = sniff(data)
     dims = jpeg_size(data) if fmt == "jpeg" else None
@@ -212,13 +272,7 @@ def repack_image(
         if min(width, height) < min_side:
             raise Unusable("too_small")
         if crop:
-            sx, sy = rgb.shape[1] / width, rgb.shape[0] / height
-            x0, y0 = max(0, round(crop[0] * sx)), max(0, round(crop[1] * sy))
-            x1 = min(rgb.shape[1], round((crop[0] + crop[2]) * sx))
-            y1 = min(rgb.shape[0], round((crop[1] + crop[3]) * sy))
-            if x1 - x0 < 1 or y1 - y0 < 1:
-                raise Unusable("empty_crop")
-            rgb = rgb[y0:y1, x0:x1]
+            rgb = crop_padded(rgb, crop, width, height)
         square = fit(rgb, size)
         ok, jpeg = cv2.imencode(
             ".jpg", cv2.cvtColor(square, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality]
@@ -380,6 +434,74 @@ class DecodePool:
         if isinstance(empty, np.ndarray):
             return rows, np.concatenate([empty, *parts]), dropped
         return rows, [x for part in parts for x in part], dropped
+
+
+def write_sample(tar: tarfile.TarFile, key: str, jpeg: bytes, caption: str, meta: dict) -> None:
+    """One webdataset sample: key.jpg, key.txt (the caption), key.json (its sample-table row)."""
+    for ext, data in (
+        ("jpg", jpeg),
+        ("txt", caption.encode()),
+        ("json", json.dumps(meta, ensure_ascii=False).encode()),
+    ):
+        info = tarfile.TarInfo(f"{key}.{ext}")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+
+_shared: dict[int, DecodePool] = {}
+_shared_lock = threading.Lock()
+
+
+@atexit.register
+def _close_shared() -> None:
+    with _shared_lock:
+        pools = list(_shared.values())
+        _shared.clear()
+    for pool in pools:
+        pool.close()
+
+
+def shared_pool(num_workers: int | None = None) -> DecodePool:
+    """The process's decode pool of `num_workers` (default: one per core), kept for every later
+    shard of every stage that repacks (a pool per shard would start its processes each time)."""
+    n = num_workers or len(os.sched_getaffinity(0))
+    with _shared_lock:
+        if n not in _shared:
+            _shared[n] = DecodePool(n)
+        return _shared[n]
+
+
+def repack_stream(
+    pool: DecodePool,
+    items: Iterable[tuple[int, bytes, tuple | None]],
+    size: int,
+    *,
+    min_side: int = 0,
+    chunk: int = 32,
+    in_flight: int = 4,
+) -> Iterator[tuple[int, tuple[bytes, int, int] | str]]:
+    """(row, (jpeg, width, height)) per image kept, (row, reason) per image dropped: `items`
+    (row, bytes, crop box) through the pool's repack workers, streamed in chunks with at most
+    `in_flight` chunks per worker waiting, so memory holds a few chunks, not a shard."""
+    pending: collections.deque[Future] = collections.deque()
+    limit = in_flight * len(pool.threads)
+
+    def drain(until: int) -> Iterator:
+        while len(pending) > until:
+            done, payload, dropped = pending.popleft().result()
+            yield from zip(done, payload, strict=True)
+            yield from dropped.items()
+
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == chunk:
+            pending.append(pool.submit(batch, size, "repack", min_side=min_side))
+            batch = []
+            yield from drain(limit)
+    if batch:
+        pending.append(pool.submit(batch, size, "repack", min_side=min_side))
+    yield from drain(0)
 
 
 if __name__ == "__main__":

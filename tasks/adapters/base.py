@@ -20,11 +20,7 @@ hf://datasets/..., with the catalog's revision pinned).
 
 from __future__ import annotations
 
-import collections
 import hashlib
-import io
-import json
-import os
 import shutil
 import tarfile
 import threading
@@ -359,8 +355,8 @@ def repack_shard(
     """One shard's images -> `shards/NNNNN.tar` + its sample table `shards/NNNNN.parquet`.
 
     Images stream through: an archive's members are read, handed to the decode workers in
-    chunks (at most `in_flight` chunks per worker waiting) and written to the tar as they
-    come back, so memory holds a few chunks, not the shard.
+    chunks (`images.repack_stream`) and written to the tar as they come back, so memory holds a
+    few chunks, not the shard.
     """
     table_path = root / source.name / "metadata" / f"{shard}.parquet"
     out_dir = root / source.name / "shards"
@@ -375,55 +371,37 @@ def repack_shard(
         width: list[int | None] = [None] * len(rows)
         height: list[int | None] = [None] * len(rows)
         sha: list[str | None] = [None] * len(rows)
-        workers = pool or images.DecodePool(os.cpu_count() or 1)
-        pending: collections.deque = collections.deque()
         out_dir.mkdir(parents=True, exist_ok=True)
 
-        def write(tar: tarfile.TarFile, future) -> None:
-            done, payload, dropped = future.result()
-            for i, (jpeg, w, h) in zip(done, payload, strict=True):
+        def items() -> Iterator[tuple[int, bytes, tuple | None]]:
+            origins = [r["origin"] for r in rows]
+            for origin, data in iter_origins(root, adapter, origins, shard=shard):
+                i = index[origin]
+                if isinstance(data, str):
+                    status[i] = data
+                    continue
+                sha[i] = hashlib.sha256(data).hexdigest()
+                crop = rows[i]["crop"]
+                yield i, data, tuple(crop) if crop else None
+
+        with atomic_path(out_dir / f"{shard}.tar") as tmp, tarfile.open(tmp, "w") as tar:
+            repacked = images.repack_stream(
+                pool or images.shared_pool(),
+                items(),
+                size,
+                min_side=min_side,
+                chunk=chunk,
+                in_flight=in_flight,
+            )
+            for i, result in repacked:
+                if isinstance(result, str):
+                    status[i] = result
+                    continue
+                jpeg, width[i], height[i] = result
                 r = rows[i]
-                width[i], height[i] = w, h
                 meta = {k: v for k, v in r.items() if k != "crop"}
-                meta.update(width=w, height=h, sha256=sha[i])
-                for ext, data in (
-                    ("jpg", jpeg),
-                    ("txt", r["caption"].encode()),
-                    ("json", json.dumps(meta, ensure_ascii=False).encode()),
-                ):
-                    info = tarfile.TarInfo(f"{r['key']}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-            for i, reason in dropped.items():
-                status[i] = reason
-
-        def submit(tar: tarfile.TarFile, items: list) -> None:
-            pending.append(workers.submit(items, size, "repack", min_side=min_side))
-            while len(pending) > in_flight * len(getattr(workers, "threads", [0])):
-                write(tar, pending.popleft())
-
-        try:
-            with atomic_path(out_dir / f"{shard}.tar") as tmp, tarfile.open(tmp, "w") as tar:
-                items: list = []
-                origins = [r["origin"] for r in rows]
-                for origin, data in iter_origins(root, adapter, origins, shard=shard):
-                    i = index[origin]
-                    if isinstance(data, str):
-                        status[i] = data
-                        continue
-                    sha[i] = hashlib.sha256(data).hexdigest()
-                    crop = rows[i]["crop"]
-                    items.append((i, data, tuple(crop) if crop else None))
-                    if len(items) == chunk:
-                        submit(tar, items)
-                        items = []
-                if items:
-                    submit(tar, items)
-                while pending:
-                    write(tar, pending.popleft())
-        finally:
-            if pool is None:
-                workers.close()
+                meta.update(width=width[i], height=height[i], sha256=sha[i])
+                images.write_sample(tar, r["key"], jpeg, r["caption"], meta)
         for i, s in enumerate(status):
             if s != "success":
                 width[i] = height[i] = None

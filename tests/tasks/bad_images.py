@@ -76,6 +76,35 @@ def png16(width: int = 128, height: int = 128, color=RED) -> bytes:
     return data.tobytes()
 
 
+def gray16_png(width: int = 128, height: int = 128, level: int = 200) -> bytes:
+    """A 16-bit grayscale PNG (kept, as gray RGB `level`; img2dataset made it all white)."""
+    ok, data = cv2.imencode(".png", np.full((height, width), level * 257, np.uint16))
+    assert ok
+    return data.tobytes()
+
+
+def zero_bytes() -> bytes:
+    """An empty file served as an image (`decode_error`: not transient, never refetched)."""
+    return b""
+
+
+def png_bomb(side: int = 14_000) -> bytes:
+    """A real decompression bomb: a gray PNG of side x side zeros (196M pixels at the default,
+    over the 179M-pixel limit) in ~200 KB (`too_large`, judged from its header)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    packer = zlib.compressobj(9)
+    row = bytes(side + 1)  # filter byte 0 + the row's samples
+    idat = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
 def gray_jpeg(width: int = 128, height: int = 128, level: int = 128) -> bytes:
     """A single-channel JPEG (kept, as gray RGB)."""
     buf = io.BytesIO()
