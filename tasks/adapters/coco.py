@@ -18,10 +18,12 @@ The rule (the recipe's): an image is kept when one of its person boxes (`categor
 - several persons qualify: the tallest box (then the larger area, then the lower annotation
   id); its box is kept as `person_box` (x, y, w, h as annotated).
 - crop: a square of side max(box w, box h) * (1 + `crop_margin`, default 0.1), centered on
-  the box, no larger than the image's short side, shifted to lie inside the image; pixel
-  coordinates are rounded to integers. Coordinates are those of the annotation file, whose
-  width/height describe the image as displayed: the repack stage applies a JPEG's EXIF
-  orientation before the crop.
+  the box and shifted to lie inside the image along each side the image is long enough for;
+  along a shorter side (a tall person in a portrait photo: phase 5 is "full body") it covers
+  the whole side and the rest is padded with mid-gray (`tasks.images.PAD_FILL`, 127: zero in
+  the VAE's input range), so head and feet are never cut. Pixel coordinates are rounded to
+  integers. Coordinates are those of the annotation file, whose width/height describe the
+  image as displayed: the repack stage applies a JPEG's EXIF orientation before the crop.
 - caption: the first of the image's captions by annotation id; all of them are kept in
   `captions` (in that order) and their count in `num_captions`. `coco_id` is the image id.
 
@@ -55,14 +57,19 @@ ANNOTATIONS_ZIP = "annotations/annotations_trainval2017.zip"
 def square_crop(
     box: tuple[float, float, float, float], width: int, height: int, margin: float
 ) -> tuple[int, int, int, int]:
-    """(x, y, side, side): the square around `box` by the rule in the module docstring."""
+    """(x, y, side, side): the square around `box` by the rule in the module docstring; x or y
+    is negative (and x + side or y + side beyond the image) where the square is padded."""
     x, y, w, h = box
     # (rounded first: 100 * 1.1 is 110.00000000000001 in floats, and its ceiling 111)
-    side = min(min(width, height), max(1, math.ceil(round(max(w, h) * (1 + margin), 6))))
-    cx, cy = x + w / 2, y + h / 2
-    left = min(max(0, round(cx - side / 2)), width - side)
-    top = min(max(0, round(cy - side / 2)), height - side)
-    return left, top, side, side
+    side = max(1, math.ceil(round(max(w, h) * (1 + margin), 6)))
+
+    def start(center: float, length: int) -> int:
+        # Inside [0, length] where the square fits, else covering all of it; as centered as
+        # that allows.
+        low, high = sorted((0, length - side))
+        return min(max(low, round(center - side / 2)), high)
+
+    return start(x + w / 2, width), start(y + h / 2, height), side, side
 
 
 def valid_box(box) -> bool:

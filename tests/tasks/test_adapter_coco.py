@@ -285,11 +285,23 @@ def test_index_repack_tokenize(tmp_path, remote):
             if r["coco_id"] in shown:  # the square around the person, as displayed
                 img = shown[r["coco_id"]]
                 x, y, side, _ = square_crop(r["person_box"], img.shape[1], img.shape[0], MARGIN)
-                want_px = cv2.resize(img[y : y + side, x : x + side], (64, 64), cv2.INTER_AREA)
+                # Where the square leaves the image it is padded with mid-gray.
+                pad = [max(0, -y), max(0, y + side - img.shape[0])]
+                pad += [max(0, -x), max(0, x + side - img.shape[1])]
+                framed = cv2.copyMakeBorder(img, *pad, cv2.BORDER_CONSTANT, value=(127,) * 3)
+                x0, y0 = x + pad[2], y + pad[0]
+                want_px = cv2.resize(
+                    framed[y0 : y0 + side, x0 : x0 + side], (64, 64), cv2.INTER_AREA
+                )
                 got = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
                 assert np.abs(got.astype(int) - want_px).mean() < 8, r["coco_id"]
                 assert np.abs(got[32, 32].astype(int) - bad.GREEN).max() < 30
                 assert (r["width"], r["height"]) == (img.shape[1], img.shape[0])
+                if r["coco_id"] == 3:  # portrait, the person taller than the image is wide
+                    green = np.all(np.abs(got.astype(int) - bad.GREEN) < 40, axis=2)
+                    rows_green = np.flatnonzero(green.any(axis=1))
+                    assert rows_green[0] <= 4 and rows_green[-1] >= 59  # head and feet kept
+                    assert np.abs(got[32, :6].astype(int) - 127).max() < 12  # gray pad
         selected = root / "coco" / "selected" / f"{shard}.parquet"
         selected.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(kept.select(["key", "caption"]), selected)
@@ -345,7 +357,8 @@ def test_loose_images_folder(tmp_path):
     ("width", "height", "box", "crop"),
     [
         (640, 480, (300, 40, 80, 400), (120, 20, 440, 440)),  # centered, 1.1 x the box
-        (640, 480, (0, 0, 100, 470), (0, 0, 480, 480)),  # clipped to the short side
+        (640, 480, (0, 0, 100, 470), (0, -24, 517, 517)),  # taller than the image: padded
+        (300, 500, (100, 20, 100, 460), (-103, -3, 506, 506)),  # portrait: padded both ways
         (640, 480, (600, 100, 40, 300), (310, 85, 330, 330)),  # shifted inside on the right
         (300, 500, (10, 300, 200, 190), (0, 280, 220, 220)),  # wide box, shifted up and right
     ],
