@@ -35,6 +35,7 @@ PHASE_MINIMUMS = {
     "max_steps": 1,
     "offset_noise": 0,
     "ema_every": 1,
+    "max_nonfinite_steps": 1,
     "num_val_samples": 0,
     "checkpoint_every": 0,
     "keep_every": 0,

@@ -121,6 +121,8 @@ class Phase:
     offset_noise: float | None = None
     ema_every: int | None = None
     ema_on_cpu: bool | None = None
+    ema_carry: bool | None = None  # continue init_from's EMA (default) or restart its warmup
+    max_nonfinite_steps: int | None = None
     channels_last: bool | None = None
     gradient_checkpointing: bool | None = None
     latents_in_ram: bool | None = None

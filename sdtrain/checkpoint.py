@@ -1,8 +1,12 @@
-"""Checkpoints: whole folders renamed into place with a sha256 per file, and their keep policy.
+"""Checkpoints: whole folders swapped into place, a sha256 per file, no pickle; the keep policy.
 
-`checkpoints/step-NNNNNN/` holds live + EMA weights, trainer state, config and checksums.json
-(written last); `latest` and `best` are symlinks replaced atomically, so a kill at any moment
-leaves the previous checkpoint whole and pointed to. Policy as seed 002: rolling, periodic, best.
+`checkpoints/step-NNNNNN/` holds live + EMA weights (safetensors), the EMA's age (ema.json),
+the trainer state as JSON with its tensors (optimizer moments) in optimizer.safetensors,
+config and checksums.json (written last). Files are written side by side in threads, each
+hashed and fsynced, and the folder is renamed into place, so a kill at any moment leaves the
+previous checkpoint whole and pointed to by the `latest` / `best` links. Nothing here unpickles:
+a run folder on shared storage cannot run code on the ranks that resume from it.
+Policy as seed 002: rolling, periodic, best.
 """
 
 from __future__ import annotations
@@ -11,18 +15,28 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from sdtrain.config import TrainConfig
-from tasks.shards import TMP_MARK, atomic_path, clean_temporaries, write_json_atomic
+from tasks.shards import (
+    TMP_MARK,
+    atomic_path,
+    clean_temporaries,
+    fsync_path,
+    replace_dir,
+    write_json_atomic,
+)
 
 # Wrappers that prefix parameter names: DDP, torch.compile, pipelines, FSDP.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "unet.", "_fsdp_wrapped_module.")
 CHECKSUMS = "checksums.json"
+EMA_FILE = "ema.json"  # {"ema_step": optimizer steps the EMA has averaged, across phases}
 
 
 class CheckpointError(Exception):
@@ -54,6 +68,75 @@ def cpu_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
 
+def check_finite(state: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse weights with a NaN or an infinity: such a checkpoint would poison every resume."""
+    tensors = [t for t in state.values() if t.is_floating_point()]
+    if not tensors:
+        return
+    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)])
+    if not bool(torch.isfinite(norms).all()):
+        names = [n for n, t in state.items() if t.is_floating_point()]
+        bad = [names[i] for i in torch.nonzero(~torch.isfinite(norms)).flatten().tolist()]
+        raise CheckpointError(
+            f"refusing to write a checkpoint from non-finite {what} weights "
+            f"({len(bad)} tensors, e.g. {bad[0]})"
+        )
+
+
+# ---- trainer state: JSON + safetensors -------------------------------------------------------
+
+
+def encode_state(obj, tensors: dict[str, torch.Tensor], path: str = "s"):
+    """`obj` as JSON-able data; its tensors moved into `tensors` under their path. Tuples,
+    non-string keys and numpy arrays are tagged so `decode_state` rebuilds them exactly."""
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        items = [
+            [encode_state(k, tensors), encode_state(v, tensors, f"{path}.{k}")]
+            for k, v in obj.items()
+        ]
+        if all(isinstance(k, str) for k in obj):
+            return {k: v for (k, _), (_, v) in zip(obj.items(), items, strict=True)}
+        return {"__items__": items}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode_state(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    raise TypeError(f"trainer state at {path}: cannot store a {type(obj).__name__}")
+
+
+def decode_state(data, tensors: dict[str, torch.Tensor]):
+    if isinstance(data, list):
+        return [decode_state(v, tensors) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if "__tensor__" in data:
+        return tensors[data["__tensor__"]]
+    if "__ndarray__" in data:
+        return np.array(data["__ndarray__"], dtype=data["dtype"])
+    if "__tuple__" in data:
+        return tuple(decode_state(v, tensors) for v in data["__tuple__"])
+    if "__items__" in data:
+        return {decode_state(k, tensors): decode_state(v, tensors) for k, v in data["__items__"]}
+    return {k: decode_state(v, tensors) for k, v in data.items()}
+
+
+# ---- writing and reading a checkpoint folder ---------------------------------------------------
+
+
+def _write_file(path: Path, write) -> str:
+    """Write one file with `write(path)`, flush it to disk; its sha256 (read back from cache)."""
+    write(path)
+    fsync_path(path)
+    return _sha256(path)
+
+
 def write_checkpoint(
     directory: Path,
     *,
@@ -61,23 +144,47 @@ def write_checkpoint(
     unet_ema: dict[str, torch.Tensor],
     config: TrainConfig,
     trainer: dict | None = None,
+    ema_step: int = 0,
 ) -> Path:
-    """Write `directory` whole: built under a hidden temporary name, then renamed into place."""
+    """Write `directory` whole: built under a hidden temporary name, then swapped into place.
+
+    Refuses non-finite weights. The files are written concurrently (the large ones release
+    the GIL): at SD1.5 size that is what a cancel has to fit in (docs/benchmarks.md).
+    """
+    check_finite(unet, "live")
+    check_finite(unet_ema, "EMA")
     tmp = directory.with_name(f".{directory.name}{TMP_MARK}{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file(cpu_state(unet), str(tmp / "unet.safetensors"))
-    save_file(cpu_state(unet_ema), str(tmp / "unet_ema.safetensors"))
-    config.to_json(tmp / "config.json")
+    files = {
+        "unet.safetensors": lambda p: save_file(cpu_state(unet), str(p)),
+        "unet_ema.safetensors": lambda p: save_file(cpu_state(unet_ema), str(p)),
+        "config.json": config.to_json,
+        EMA_FILE: lambda p: p.write_text(json.dumps({"ema_step": ema_step})),
+    }
     if trainer is not None:
-        torch.save(trainer, tmp / "trainer.pt")
-    checksums = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-    write_json_atomic(tmp / CHECKSUMS, checksums)  # last: its presence means "complete"
-    if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(tmp, directory)
+        tensors: dict[str, torch.Tensor] = {}
+        encoded = encode_state(trainer, tensors)
+        # Moments in two files, so no one file (and thread) holds most of the bytes.
+        halves = [dict(list(tensors.items())[i::2]) for i in (0, 1)]
+        for i, half in enumerate(halves):
+            files[f"optimizer-{i}.safetensors"] = lambda p, h=half: save_file(cpu_state(h), str(p))
+        files["trainer.json"] = lambda p: p.write_text(json.dumps(encoded))
+    with ThreadPoolExecutor(len(files)) as pool:
+        digests = dict(
+            zip(files, pool.map(lambda n: _write_file(tmp / n, files[n]), files), strict=True)
+        )
+    write_json_atomic(tmp / CHECKSUMS, dict(sorted(digests.items())))  # last: "complete"
+    replace_dir(tmp, directory)
     return directory
+
+
+def read_ema_step(directory: Path) -> int:
+    """How many optimizer steps the EMA of a checkpoint or final/ folder has averaged (0 for
+    folders written before sdpipe kept it)."""
+    path = Path(directory) / EMA_FILE
+    return int(json.loads(path.read_text())["ema_step"]) if path.is_file() else 0
 
 
 def verify_checkpoint(directory: Path) -> None:
@@ -85,20 +192,55 @@ def verify_checkpoint(directory: Path) -> None:
     record = directory / CHECKSUMS
     if not record.is_file():
         raise CheckpointError(f"{directory}: incomplete checkpoint (no {CHECKSUMS})")
-    for name, digest in json.loads(record.read_text()).items():
-        path = directory / name
-        if not path.is_file() or _sha256(path) != digest:
-            raise CheckpointError(f"{path}: missing or corrupt (sha256 differs from {CHECKSUMS})")
+    try:
+        recorded = json.loads(record.read_text())
+    except ValueError:
+        raise CheckpointError(f"{record}: unreadable") from None
+    names = list(recorded)
+    with ThreadPoolExecutor(max(1, min(8, len(names)))) as pool:
+        digests = list(pool.map(lambda n: _sha256_or_none(directory / n), names))
+    for name, digest in zip(names, digests, strict=True):
+        if digest != recorded[name]:
+            raise CheckpointError(
+                f"{directory / name}: missing or corrupt (sha256 differs from {CHECKSUMS})"
+            )
 
 
 def read_trainer_state(directory: Path, device: torch.device) -> dict:
+    """The trainer state of a verified checkpoint. No pickle is loaded: JSON + safetensors, or
+    (checkpoints of older sdpipe versions) trainer.pt through `torch.load(weights_only=True)`."""
     verify_checkpoint(directory)
-    return torch.load(directory / "trainer.pt", map_location=device, weights_only=False)
+    if (directory / "trainer.json").is_file():
+        tensors: dict[str, torch.Tensor] = {}
+        for part in sorted(directory.glob("optimizer-*.safetensors")):
+            tensors |= load_file(str(part), device=str(device))
+        return decode_state(json.loads((directory / "trainer.json").read_text()), tensors)
+    legacy = directory / "trainer.pt"
+    try:
+        with torch.serialization.safe_globals(_NUMPY_STATE_GLOBALS):
+            return torch.load(legacy, map_location=device, weights_only=True)
+    except Exception as e:  # an unpickling refusal, whatever class torch raises it as
+        raise CheckpointError(
+            f"{legacy}: not loaded (only plain tensors and data are): {e}"
+        ) from None
+
+
+# numpy's RNG state in trainer.pt files of older versions: data, not code.
+_NUMPY_STATE_GLOBALS = [
+    np._core.multiarray._reconstruct,
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+]
 
 
 def _sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _sha256_or_none(path: Path) -> str | None:
+    return _sha256(path) if path.is_file() else None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -141,6 +283,30 @@ class CheckpointDir:
 
     def best(self) -> Path | None:
         return self._resolve("best")
+
+    def resume_point(self) -> Path | None:
+        """The checkpoint to resume from: `latest`, or if it is corrupt or missing while step
+        folders exist, the newest one that verifies (with a warning naming what was skipped)."""
+        latest = self.latest()
+        candidates = [latest] if latest else []
+        candidates += [self.step_dir(s) for s in reversed(self.steps())]
+        skipped = []
+        for directory in dict.fromkeys(candidates):  # in order, without repeats
+            try:
+                verify_checkpoint(directory)
+            except CheckpointError as e:
+                skipped.append(str(e))
+                continue
+            if skipped:
+                print(
+                    f"warning: resuming from {directory.name}, not the newer checkpoint(s) that "
+                    f"fail verification: {'; '.join(skipped)}",
+                    flush=True,
+                )
+            return directory
+        if skipped:
+            raise CheckpointError(f"no checkpoint verifies: {'; '.join(skipped)}")
+        return None
 
     def save(self, step: int, *, is_best: bool = False, **contents) -> Path:
         """Write the checkpoint of `step`, point `latest` (and `best`) at it, prune the rest."""

@@ -62,12 +62,19 @@ class TrainConfig:
     ema_decay: float = 0.9999
     ema_every: int = 1
     ema_on_cpu: bool = False  # keep the shadow in host RAM (saves GPU memory, costs a copy)
+    # A run started from another's final/ continues its EMA: the decay warmup goes on from the
+    # steps that EMA already averaged (the recipe's intent). False: the warmup starts over,
+    # and within ~100 steps the EMA holds little of the previous phase.
+    ema_carry: bool = True
 
     # Numerics.
     precision: Precision = "auto"  # auto: bf16 where supported, else fp16 + scaler; CPU fp32
     channels_last: bool = True
     gradient_checkpointing: bool = True  # ~40% less activation memory, ~25% slower steps
     deterministic: bool = False  # deterministic kernels: bitwise-reproducible runs on CPU
+    # A step whose loss or gradient norm is NaN/inf updates neither the weights nor the EMA
+    # (counted); this many in a row stop the run (the last checkpoint holds finite weights).
+    max_nonfinite_steps: int = 10
 
     # Data.
     latents_in_ram: bool = False  # else memory-mapped
@@ -79,6 +86,9 @@ class TrainConfig:
     checkpoint_every: int = 1500  # 0: only at the end and when interrupted
     keep_every: int = 10_000  # a checkpoint every N steps is kept for good; 0: none
     validate_every: int = 2000  # EMA validation loss every N steps (and at the end); 0: end only
+    # Seconds torchrun waits for the ranks after a SIGTERM (cancel) before it kills them: the
+    # stop checkpoint must be written within it (SD1.5, 13.8 GB: docs/benchmarks.md).
+    stop_grace_s: int = 120
 
     # Monitoring.
     log_every: int = 10
@@ -106,6 +116,8 @@ PHASE_OVERRIDES = (
     "offset_noise",
     "ema_every",
     "ema_on_cpu",
+    "ema_carry",
+    "max_nonfinite_steps",
     "channels_last",
     "gradient_checkpointing",
     "latents_in_ram",

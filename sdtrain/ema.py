@@ -2,7 +2,10 @@
 
 The shadow is a list of tensors, not a second module: validation and sampling swap it into
 the training module for the duration of a `with ema.swapped_into(unet):` block, so an EMA kept
-on the CPU costs no GPU memory. Updates run every N optimizer steps (seed 002).
+on the CPU costs no GPU memory. Updates run every N optimizer steps (seed 002). `age` counts the
+optimizer steps the shadow already averaged before this run (a previous phase's EMA carried
+on): the decay warmup is a function of the EMA's age, not of the run's step, so a phase that
+starts from another's EMA does not erase it in its first hundred steps.
 """
 
 from __future__ import annotations
@@ -17,10 +20,17 @@ from sdtrain.schedules import ema_decay
 
 class EMA:
     def __init__(
-        self, module: torch.nn.Module, *, decay: float, every: int, device: torch.device
+        self,
+        module: torch.nn.Module,
+        *,
+        decay: float,
+        every: int,
+        device: torch.device,
+        age: int = 0,
     ) -> None:
         self.decay = decay
         self.every = every
+        self.age = age
         self.device = torch.device(device)
         self.names = [name for name, _ in module.named_parameters()]
         self.shadow = [
@@ -34,7 +44,7 @@ class EMA:
     def update(self, module: torch.nn.Module, step: int) -> None:
         """Move the shadow towards `module`'s weights after optimizer step `step` (1-based)."""
         live = [p.detach().to(self.device, torch.float32) for p in module.parameters()]
-        weight = 1.0 - ema_decay(step, decay=self.decay, every=self.every)
+        weight = 1.0 - ema_decay(self.age + step, decay=self.decay, every=self.every)
         torch._foreach_lerp_(self.shadow, live, weight)
 
     @torch.no_grad()

@@ -2,7 +2,10 @@
 
 Run as `torchrun --nproc_per_node=N -m sdtrain.train --config run.json`; a plain `python -m`
 run is a group of one, same code path. DDP wraps the model here, never in model code. A run
-resumes from `checkpoints/latest` at the exact next sample; only rank 0 writes files.
+resumes from `checkpoints/latest` at the exact next sample, on the same phase set (its
+manifest's digest is part of the run's shape); only rank 0 writes files. Every optimizer step
+the ranks agree, in one all-reduce, on whether to stop (a signal) and whether the step is
+non-finite (then skipped: no weight or EMA update).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import sys
 import time
 import zlib
@@ -29,6 +33,7 @@ from sdtrain.checkpoint import (
     CheckpointError,
     KeepPolicy,
     load_weights,
+    read_ema_step,
     read_trainer_state,
     write_checkpoint,
 )
@@ -54,6 +59,17 @@ from tasks.shards import clean_temporaries, write_json_atomic
 
 class TrainingInterrupted(Exception):
     """SIGTERM or Ctrl-C stopped the run after it checkpointed; rerunning resumes it."""
+
+
+class TrainingDiverged(Exception):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""
+
+
+def manifest_digest(phase_dir: str | Path) -> str:
+    """sha256 of the phase set's manifest: which samples, in which rows (part of a resume's
+    identity: the same row count over other samples must not resume)."""
+    with open(Path(phase_dir) / "manifest.parquet", "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def epoch_batches(
@@ -147,7 +163,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         clean_temporaries(run_dir)  # a killed run's half-built final/
         checkpoints.clean()
     dist.barrier()
-    resume_from = checkpoints.latest() if config.resume else None
+    resume_from = checkpoints.resume_point() if config.resume else None
     state = read_trainer_state(resume_from, device) if resume_from else None  # checksums first
 
     # Data: validation rows held out by a seeded draw; the rest in a per-epoch seeded order.
@@ -189,11 +205,19 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         unet.enable_gradient_checkpointing()
     memory_format = torch.channels_last if config.channels_last else torch.contiguous_format
     unet = unet.to(device, memory_format=memory_format).train()
+    # The EMA's age before this run: a resumed run's own record, else the previous phase's.
+    if state is not None:
+        ema_age = state.get("ema_age", 0)
+    elif config.init_from and config.ema_carry:
+        ema_age = read_ema_step(Path(config.init_from))
+    else:
+        ema_age = 0
     ema = EMA(
         unet,
         decay=config.ema_decay,
         every=config.ema_every,
         device=torch.device("cpu") if config.ema_on_cpu else device,
+        age=ema_age,
     )
     if weights_dir:
         ema.load_state_dict(load_weights(weights_dir / "unet_ema.safetensors"))
@@ -224,10 +248,21 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         "num_train_rows": len(train_rows),
         "seed": config.seed,
         "prediction_type": config.prediction_type,
+        "manifest_sha256": manifest_digest(config.phase_dir),
     }
     step, epoch, samples_done, best_val_loss = 0, 0, 0, float("inf")
+    num_nonfinite = 0
     if state is not None:
         for key, value in run_shape.items():
+            if key not in state["run_shape"]:  # written before sdpipe recorded it
+                continue
+            if key == "manifest_sha256" and state["run_shape"][key] != value:
+                raise CheckpointError(
+                    f"{resume_from} was trained on another phase set: "
+                    f"{Path(config.phase_dir) / 'manifest.parquet'} changed since (sha256 "
+                    f"{state['run_shape'][key][:12]} -> {value[:12]}); restore that phase set "
+                    "to resume, or delete the run's checkpoints/ to train the phase from the start"
+                )
             if state["run_shape"][key] != value:
                 raise CheckpointError(
                     f"{resume_from}: written by a run with {key}={state['run_shape'][key]!r}, "
@@ -239,6 +274,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         set_rng_state(state["rng"][rank if len(state["rng"]) == world_size else 0])
         step, epoch, samples_done = state["step"], state["epoch"], state["samples_done"]
         best_val_loss = state["best_val_loss"]
+        num_nonfinite = state.get("num_nonfinite", 0)
     resumed_from_step = step
 
     # Rank 0's extras: the VAE and prompts of the sample grids.
@@ -278,6 +314,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             unet=unet.state_dict(),
             unet_ema=ema.state_dict(),
             config=config,
+            ema_step=ema.age + step,
             trainer={
                 "step": step,
                 "epoch": epoch,
@@ -288,13 +325,17 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
                 "scaler": scaler.state_dict(),
                 "rng": rngs,
                 "run_shape": run_shape,
+                "ema_age": ema.age,
+                "num_nonfinite": num_nonfinite,
             },
         )
 
     monitor = Monitor(config, start_step=step, enabled=rank == 0)
     stop = StopRequest()
     window_loss = torch.zeros((), device=device)  # summed over the steps since the last log
+    step_loss = torch.zeros((), device=device)  # this rank's loss of the step in progress
     window_steps, window_wait, window_start = 0, 0.0, time.perf_counter()
+    window_finite, nonfinite_in_a_row = 0, 0
     window_rows: list[torch.Tensor] = []  # rank 0's rows since the last log: the data order
     total_wait, loop_start = 0.0, time.perf_counter()
     saved_step, consistent = step, True
@@ -344,7 +385,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
                             channels_last=config.channels_last,
                         )
                     scaler.scale(loss / config.grad_accum).backward()
-                window_loss += loss.detach() / config.grad_accum
+                step_loss += loss.detach() / config.grad_accum
                 if not steps_now:
                     continue
 
@@ -352,42 +393,82 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), config.max_grad_norm)
                 lr = lr_schedule.get_last_lr()[0]
-                scaler.step(optimizer)
-                scaler.update()
+                # One all-reduce per step: was any rank told to stop, is any rank's loss or the
+                # (all-reduced, so common) gradient norm NaN/inf. Under fp16 the GradScaler
+                # owns infinite gradients: it skips those steps and lowers its scale.
+                checks = torch.stack(
+                    [
+                        torch.tensor(float(stop.requested), device=device),
+                        (~torch.isfinite(step_loss)).float(),
+                        (~torch.isfinite(grad_norm)).float() * (not numerics.grad_scaler),
+                    ]
+                )
+                dist.all_reduce(checks)
+                stopping, nonfinite = bool(checks[0] > 0), bool(checks[1:].sum() > 0)
+                if nonfinite:  # no update of the weights, the optimizer moments or the EMA
+                    num_nonfinite += 1
+                    nonfinite_in_a_row += 1
+                    if numerics.grad_scaler:
+                        scaler.update()
+                    print(
+                        f"step {step + 1}: non-finite loss or gradient norm, skipped "
+                        f"({nonfinite_in_a_row} in a row, {num_nonfinite} in all)",
+                        flush=True,
+                    )
+                else:
+                    scaler.step(optimizer)
+                    scaler.update()
+                    nonfinite_in_a_row = 0
+                    window_loss += step_loss
+                    window_finite += 1
                 lr_schedule.step()
                 optimizer.zero_grad(set_to_none=True)
+                step_loss.zero_()
                 step += 1
-                if ema.due(step):
+                if not nonfinite and ema.due(step):
                     ema.update(unet, step)
                 epoch, samples_done = batch_epoch, batch_done
                 consistent = True
                 window_steps += 1
-
-                stopping = False
-                if step % config.log_every == 0 or step == total_steps:
-                    # One all-reduce: the window's loss and whether any rank was told to stop.
-                    reduced = torch.stack(
-                        [window_loss, torch.tensor(float(stop.requested), device=device)]
+                if nonfinite_in_a_row >= config.max_nonfinite_steps:
+                    raise TrainingDiverged(
+                        f"{nonfinite_in_a_row} optimizer steps in a row had a non-finite loss "
+                        f"or gradient norm, the last at step {step}/{total_steps}: stopped. The "
+                        f"weights were not updated by them; the last checkpoint is "
+                        f"{checkpoints.latest() or 'none'}. Lower the learning rate (or check "
+                        "the phase set's latents) and rerun to resume from it"
                     )
+
+                if step % config.log_every == 0 or step == total_steps or stopping:
+                    reduced = window_loss.clone()
                     dist.all_reduce(reduced)
                     now = time.perf_counter()
                     monitor.step(
                         step,
                         total_steps,
                         {
-                            "loss": reduced[0].item() / (window_steps * world_size),
+                            "loss": reduced.item() / (window_finite * world_size)
+                            if window_finite
+                            else float("nan"),
                             "lr": lr,
                             "grad_norm": grad_norm.item(),
                             "samples_per_s": window_steps * global_batch / (now - window_start),
                             "data_wait": window_wait / (now - window_start),
+                            "nonfinite_steps": window_steps - window_finite,
                         },
                         rows_crc=zlib.crc32(torch.cat(window_rows).numpy().tobytes()),
                     )
-                    stopping = reduced[1].item() > 0
                     total_wait += window_wait
                     window_loss.zero_()
                     window_steps, window_wait, window_start = 0, 0.0, now
+                    window_finite = 0
                     window_rows.clear()
+                if stopping:  # what a resume needs, first: nothing else fits the grace period
+                    save_checkpoint(is_best=False)
+                    raise TrainingInterrupted(
+                        f"stopped by a signal at step {step}/{total_steps}; checkpoint "
+                        f"{checkpoints.step_dir(step)}; rerun to resume"
+                    )
 
                 is_best = False
                 validate_now = step == total_steps or (
@@ -401,18 +482,13 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
                     is_best = val_loss < best_val_loss
                     best_val_loss = min(best_val_loss, val_loss)
                     monitor.validation(step, val_loss, is_best=is_best)
-                if checkpoints.policy.due(step, total_steps) or is_best or stopping:
+                if checkpoints.policy.due(step, total_steps) or is_best:
                     save_checkpoint(is_best=is_best)
                     saved_step = step
                 grid_due = config.sample_every > 0 and step % config.sample_every == 0
                 if rank == 0 and grid_due and step != total_steps:  # the last: samples/final.png
                     monitor.grid(step, sample_grid(), run_dir / "samples" / f"step-{step:06d}.png")
-                if stopping:
-                    raise TrainingInterrupted(
-                        f"stopped by a signal at step {step}/{total_steps}; checkpoint "
-                        f"{checkpoints.step_dir(step)}; rerun to resume"
-                    )
-        except TrainingInterrupted:
+        except (TrainingInterrupted, TrainingDiverged):
             monitor.close()
             raise
         except BaseException:
@@ -428,7 +504,11 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
     summary = None
     if rank == 0:
         final = write_checkpoint(
-            run_dir / "final", unet=unet.state_dict(), unet_ema=ema.state_dict(), config=config
+            run_dir / "final",
+            unet=unet.state_dict(),
+            unet_ema=ema.state_dict(),
+            config=config,
+            ema_step=ema.age + step,
         )
         grid_path = run_dir / "samples" / "final.png"
         monitor.grid(step, sample_grid(), grid_path)
@@ -445,6 +525,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             "best_val_loss": best_val_loss if len(val_rows) else None,
             "samples_per_s": steps_run * global_batch / train_seconds if steps_run else 0.0,
             "data_wait_fraction": total_wait / train_seconds if steps_run else 0.0,
+            "nonfinite_steps": num_nonfinite,
             "world_size": world_size,
             "checkpoint": str(final),
             "best_checkpoint": str(checkpoints.best()) if checkpoints.best() else None,
@@ -465,6 +546,9 @@ def main(argv: list[str] | None = None) -> None:
     except TrainingInterrupted as e:
         print(str(e), flush=True)
         sys.exit(143)
+    except TrainingDiverged as e:
+        print(f"error: {e}", flush=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,39 @@ def atomic_path(final: Path) -> Iterator[Path]:
             tmp.unlink()
 
 
+def replace_dir(new: Path, final: Path) -> None:
+    """Put the folder `new` at `final`, replacing what is there, with no moment where `final`
+    is missing or mixed: the two are exchanged in one step (Linux renameat2 RENAME_EXCHANGE),
+    then the old one, now at `new`, is removed. Where exchange is not available, the old
+    folder is first renamed aside (a brief window without `final`)."""
+    fsync_path(new)
+    if not final.exists():
+        os.replace(new, final)
+    elif not _exchange(new, final):
+        aside = final.with_name(f".{final.name}.old{TMP_MARK}{os.getpid()}")
+        os.replace(final, aside)
+        os.replace(new, final)
+        new = aside
+    fsync_path(final.parent)
+    shutil.rmtree(new, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux >= 3.15); False where that is not possible."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return done == 0
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's (or a folder's entries') writes to the disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -21,7 +21,9 @@ from sdtrain.config import TrainConfig, run_config_for_phase
 from tasks.net import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-STOP_TIMEOUT_S = 60  # torchrun gives its ranks 30 s after its SIGTERM, then kills them
+# After a SIGTERM, torchrun gives its ranks `stop_grace_s` to checkpoint, then kills them; we wait
+# that long and this much more for torchrun itself.
+STOP_MARGIN_S = 30
 
 
 class TrainingFailed(Exception):
@@ -49,6 +51,7 @@ def launch_training(
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(num_procs),
         "--master_port", str(free_port()),
+        "--shutdown-timeout", str(config.stop_grace_s),
         "-m", "sdtrain.train", "--config", str(config_path),
     ]  # fmt: skip
     # One thread per rank: torch would otherwise start a full pool in every rank.
@@ -68,7 +71,7 @@ def launch_training(
             # at the next step and exit; a rerun resumes from there.
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
+                proc.wait(timeout=config.stop_grace_s + STOP_MARGIN_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise

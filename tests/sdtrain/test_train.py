@@ -17,8 +17,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from flows.curriculum import parse_step_line
+from sdtrain.checkpoint import read_ema_step
 from sdtrain.config import TrainConfig
 from sdtrain.data import PhaseSet
+from sdtrain.ema import EMA
 from sdtrain.models import tokenize
 from sdtrain.monitor import read_log
 from sdtrain.schedules import ema_decay
@@ -133,22 +135,59 @@ def test_two_ranks_match_one_process_on_the_full_batch(two_rank_run, one_rank_ru
     assert two_summary["best_val_loss"] == pytest.approx(one_summary["best_val_loss"], rel=1e-5)
 
 
-def test_next_phase_starts_from_live_and_ema_weights(one_rank_run, make_config, tmp_path):
-    """Phase chaining: live and EMA weights carry over; optimizer and schedule start afresh."""
+@pytest.mark.parametrize("carry", [True, False])
+def test_next_phase_starts_from_live_and_ema_weights(one_rank_run, make_config, tmp_path, carry):
+    """Phase chaining: live and EMA weights carry over, and the EMA's age unless the phase says
+    otherwise; optimizer and schedule start afresh."""
     _, first = one_rank_run
     config = make_config(
-        tmp_path, init_from=first["checkpoint"], lr=0.0, max_steps=1, grad_accum=1, log_every=1
+        tmp_path,
+        init_from=first["checkpoint"],
+        lr=0.0,
+        max_steps=1,
+        grad_accum=1,
+        log_every=1,
+        ema_carry=carry,
     )
     summary = train(config)
     assert summary["steps"] == 1 and summary["resumed_from_step"] == 0
     before = {n: load_file(f"{first['checkpoint']}/{n}.safetensors") for n in ("unet", "unet_ema")}
     after = {n: load_file(f"{summary['checkpoint']}/{n}.safetensors") for n in ("unet", "unet_ema")}
-    decay = ema_decay(1)  # a fresh EMA warmup: the first update moves 90% towards live
+    age = read_ema_step(Path(first["checkpoint"]))
+    assert age == first["steps"] == 6
+    # Carried: the EMA's 7th update (decay (1 + 6) / (10 + 6)); not: a fresh warmup's first,
+    # which moves 90% of the way to the live weights.
+    decay = ema_decay(age + 1 if carry else 1)
     for k in before["unet"]:
         assert torch.equal(before["unet"][k], after["unet"][k])  # lr 0: live weights unchanged
         expected = decay * before["unet_ema"][k] + (1 - decay) * before["unet"][k]
         torch.testing.assert_close(after["unet_ema"][k], expected)
+    assert read_ema_step(Path(summary["checkpoint"])) == (age + 1 if carry else 1)
     assert [r["step"] for r in losses(tmp_path)] == [1]  # the step count starts afresh too
+
+
+@pytest.mark.parametrize(
+    ("age", "steps", "carried_share"),
+    [
+        (137_000, 1_000, 0.9999**1_000),  # after phase 1 of the recipe: decay at its cap
+        (1_000, 100, math.prod((1 + s) / (10 + s) for s in range(1_000, 1_100))),
+        (0, 100, math.prod((1 + s) / (10 + s) for s in range(100))),  # a restarted warmup
+    ],
+)
+def test_the_share_of_the_previous_phase_in_a_carried_ema(age, steps, carried_share):
+    # The previous phase's EMA is 1, the new phase's live weights 0: what remains of the old
+    # EMA after `steps` updates is the product of the decays at the EMA's age, not the run's.
+    module = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(module.weight)
+    ema = EMA(module, decay=0.9999, every=1, device=torch.device("cpu"), age=age)
+    torch.nn.init.zeros_(module.weight)
+    for step in range(1, steps + 1):
+        ema.update(module, step)
+    assert ema.shadow[0].item() == pytest.approx(carried_share, rel=1e-4)
+    if age == 137_000:
+        assert ema.shadow[0].item() > 0.9  # phase 2 keeps what phase 1 averaged
+    if age == 0:
+        assert ema.shadow[0].item() < 1e-9  # ... where a restart erased it
 
 
 def test_failed_rank_raises_with_its_error(make_config, tmp_path):
