@@ -300,6 +300,11 @@ def _check_references(c: Catalog) -> None:
                 raise CatalogError(f"{where}.mix[{i}]: give exactly one of count or ratio")
             if m.ratio is not None and p.total is None:
                 raise CatalogError(f"{where}.total: required when the mix uses ratios")
+        short = p.allow_short
+        if not isinstance(short, bool) and not 0 < short <= 1:
+            raise CatalogError(
+                f"{where}.allow_short: true, false or a fraction in (0, 1], got {short!r}"
+            )
         for fld in ("lr", "cfg_dropout"):
             if not 0 <= getattr(p, fld) <= 1:
                 raise CatalogError(f"{where}.{fld}: must be within [0, 1], got {getattr(p, fld)!r}")

@@ -103,6 +103,11 @@ class Phase:
     description: str = ""
     mix: tuple[MixEntry, ...]
     total: int | None = None  # required when the mix uses ratios
+    # A dataset with fewer encoded samples than its share fails the phase (before training),
+    # naming requested vs available, unless allowed: true (take what there is), or a fraction
+    # (each dataset must hold at least that share of what it was asked for). With ratios, a
+    # short dataset's shortfall goes to the others in proportion to their ratios.
+    allow_short: bool | float = False
     model: str
     init_from: str | None = None  # previous phase whose final weights this one starts from
     lr: float

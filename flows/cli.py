@@ -65,6 +65,15 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
     return _report(state)
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    from tasks import plan
+
+    catalog = load_catalog()
+    phase = catalog.phase(args.phase)
+    report = plan.plan_phase(data_root(args.data_root), catalog, phase, world_size=args.ranks)
+    print(plan.format_plan(report))
+
+
 def _report(state) -> int:
     if state.is_completed():
         return 0
@@ -228,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("curriculum", help="build a phase's mix and train it, here")
     p.add_argument("phase", help="phase-N, N, or demo")
     p.set_defaults(fn=cmd_curriculum)
+    p = sub.add_parser(
+        "plan",
+        help="what a phase will train on before it trains: requested vs available per dataset, "
+        "steps, disk, ETA (fails, as the phase would, where a dataset is short)",
+    )
+    p.add_argument("phase", help="phase-N, N, or demo")
+    p.add_argument("--ranks", type=int, help="ranks to plan for (default: GPUs here, or 2)")
+    p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("summary", help="samples per stage and drop reason, from the data root")
     p.add_argument("sources", nargs="*")
     p.set_defaults(fn=cmd_summary)

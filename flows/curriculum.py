@@ -1,6 +1,9 @@
-"""curriculum: one phase = mix (its seeded set of datasets) -> train (torchrun DDP).
+"""curriculum: one phase = plan -> mix (its seeded set of datasets) -> train (torchrun DDP).
 
-Phase N starts from phase N-1's final weights and the flow refuses to start before they exist.
+The plan (requested vs available per dataset, steps, disk, ETA) is published first and a phase
+short of data fails there, before any training. While the phase's run has checkpoints, its
+phase set is reused, so a resume trains on the rows it started on. Phase N starts from phase
+N-1's final weights and the flow refuses to start before they exist.
 Trainer lines stream into the logs and a progress artifact. A training holds the slots of its
 node's GPU pool (flows/pools.py: the global concurrency limit `sdpipe-gpu-<pool>`) for every
 GPU it uses, so it never shares GPUs with score/encode shards or another training. A failed
@@ -27,7 +30,7 @@ from prefect.states import Failed
 from catalog import Catalog, CatalogError, Phase, load_catalog
 from flows import pools
 from flows.credentials import export_secrets
-from tasks import mix, shards
+from tasks import mix, plan, shards
 from tasks.train import TrainingFailed, launch_training, train_config_for_phase
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+) loss=([0-9.eE+-]+).*? samples/s=([0-9.]+)")
@@ -53,9 +56,26 @@ def preflight(phase_name: str, root: Path) -> tuple[Catalog, Phase, str]:
     return catalog, phase, init_from
 
 
+@task(name="plan", task_run_name="plan-{phase.name}")
+def plan_task(root: Path, catalog: Catalog, phase: Phase) -> dict:
+    report = plan.plan_phase(root, catalog, phase)
+    get_run_logger().info(plan.format_plan(report))
+    create_markdown_artifact(
+        "\n".join(["```", plan.format_plan(report), "```"]),
+        key=f"{_key(phase.name)}-plan",
+        description=f"{phase.name}: requested vs available, steps, disk, ETA",
+    )
+    return report
+
+
 @task(name="mix", task_run_name="mix-{phase.name}")
 def mix_task(root: Path, catalog: Catalog, phase: Phase) -> dict:
-    report = mix.build_phase_set(root, catalog, phase)
+    report = mix.phase_set_for_run(root, catalog, phase)
+    if report["reused"]:
+        get_run_logger().info(
+            f"{phase.name}: its run has checkpoints; training resumes on its phase set as it "
+            "is (delete runs/<phase>/checkpoints to draw a new mix)"
+        )
     create_table_artifact(
         report["datasets"],
         key=f"{_key(phase.name)}-mix",
@@ -142,6 +162,8 @@ def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project:
     export_secrets()  # WANDB_API_KEY (HF_TOKEN): env or Secret block, masked in logs
     try:
         catalog, spec, init_from = preflight(phase, root)
+        if not mix.run_has_checkpoints(root, spec.name):  # a resume keeps its phase set
+            plan_task(root, catalog, spec)
         report = mix_task(root, catalog, spec)
         summary = train_task(root, spec, init_from, wandb_project)
     except (CatalogError, PhaseNotReady, mix.MixError, TrainingFailed) as e:

@@ -33,6 +33,7 @@ def write_small_catalog(dest: Path, *, num_images: int = DEMO_IMAGES) -> Path:
     (dest / "sources.yaml").write_text(yaml.safe_dump(sources))
     phases = yaml.safe_load((dest / "phases.yaml").read_text())
     phases["demo"]["max_steps"] = 4
+    phases["demo"]["allow_short"] = True  # asks for the 240 of the full-size demo source
     (dest / "phases.yaml").write_text(yaml.safe_dump(phases))
     return dest
 
