@@ -220,28 +220,25 @@ def artifact_markdown(wf: Waterfall, thumbs: dict[str, str], gallery_path: Path)
             rows = wf.samples.get(s.rule, [])
             if not rows:
                 continue
-            fetched = any(row.get("tar") for row in rows)
-            lines += [
-                "",
-                f"## {md(s.rule)}: {len(rows)} of {s.removed} removed",
-                "",
-                f"| {'image' if fetched else 'not downloaded: where from'} | sample | caption "
-                "| scores |",
-                "|---|---|---|---|",
-            ]
+            fetched = any(row.get("tar") for row in rows)  # pixel stages; metadata: none
+            # Before download the URL goes last: long, and the least telling of the four.
+            header = "image | sample | caption | scores"
+            if not fetched:
+                header = "sample | caption | scores | not downloaded: where from"
+            lines += ["", f"## {md(s.rule)}: {len(rows)} of {s.removed} removed", ""]
+            lines += [f"| {header} |", "|---|---|---|---|"]
             for row in rows:
-                key = str(row["key"])
-                url = str(row.get("url") or "")
-                if key in images:
-                    pic = f"![{md(key)}]({images[key]})"
-                elif row.get("tar"):
-                    pic = "left out (size limit): in the page" if key in thumbs else "unreadable"
+                key, url = str(row["key"]), str(row.get("url") or "")
+                caption = md(row.get("caption") or "")
+                text = f"{pictures.md_code(key)} | {caption} | {md(_scores(row))}"
+                if not fetched:
+                    where = f"**{md(pictures.url_domain(url))}** {pictures.md_code(url)}"
+                    lines.append(f"| {text} | {where} |")
+                elif key in images:
+                    lines.append(f"| ![{md(key)}]({images[key]}) | {text} |")
                 else:
-                    pic = f"**{md(pictures.url_domain(url))}** {pictures.md_code(url)}"
-                lines.append(
-                    f"| {pic} | {pictures.md_code(key)} | {md(row.get('caption') or '')} "
-                    f"| {md(_scores(row))} |"
-                )
+                    why = "left out (size limit): in the page" if key in thumbs else "unreadable"
+                    lines.append(f"| {why} | {text} |")
         return "\n".join(lines) + "\n"
 
     allowance = ARTIFACT_BUDGET - len(render({}))
