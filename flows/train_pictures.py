@@ -24,6 +24,7 @@ VALIDATION_LINE = re.compile(r"^step \d+ val_loss=")
 STEP_LINE = re.compile(r"^step \d+/\d+ ")
 REFRESH_EVERY_S = 60.0  # a redraw on step lines alone (grids and validations redraw at once)
 GRID_WIDTH = 1024  # px: a 4-prompt grid of 512 px samples is shrunk to this
+GRID_MIN_WIDTH = 512  # px: a tiny model's grid (4 x 64 px) is enlarged, pixels kept sharp
 GRID_BUDGET = 700_000  # characters of the grid's data URI: the artifact stays under 1 MB
 
 
@@ -75,6 +76,11 @@ def markdown(run_dir: Path, heading: str) -> str:
     if grid is not None:
         step = "final" if grid.stem == "final" else f"step {int(grid.stem.split('-')[-1])}"
         with Image.open(grid) as image:
+            if image.width < GRID_MIN_WIDTH:
+                factor = -(-GRID_MIN_WIDTH // image.width)
+                image = image.resize(
+                    (image.width * factor, image.height * factor), Image.Resampling.NEAREST
+                )
             uri = pictures.fitted_jpeg_uri(image, max_width=GRID_WIDTH, max_chars=GRID_BUDGET)
         lines += ["", f"## Sample grid, {step} (EMA weights)", ""]
         lines += [f"{i}. {pictures.md_text(p)}" for i, p in enumerate(_prompts(run_dir), 1)]

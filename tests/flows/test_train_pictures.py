@@ -59,6 +59,13 @@ def test_curves_and_the_newest_grid_fit_in_one_artifact(tmp_path):
     assert left_edge[2] > 150 and left_edge[0] < 100  # the final grid (blue), not step 20 (red)
 
 
+def test_a_tiny_models_grid_is_enlarged_to_be_seen(tmp_path):
+    run = _run_dir(tmp_path)
+    _grid(run / "samples" / "final.png", (0, 0, 255), side=64)  # 256 x 64
+    (_, grid_uri) = markdown_sources(train_pictures.markdown(run, "# demo"))
+    assert _decode(grid_uri).size == (512, 128)
+
+
 def test_grid_and_validation_lines_refresh_step_lines_at_most_every_minute(tmp_path, capsys):
     run = _run_dir(tmp_path)
     lines: list[str] = []
