@@ -33,7 +33,7 @@ class Line:
     """One stage (or training) as shown: `done` of `total` units, a rate and an ETA."""
 
     label: str
-    unit: str  # shards, steps
+    unit: str  # shards, steps, views; "" for a stage of one unit
     done: int = 0
     total: int | None = None
     failed: int = 0
@@ -43,7 +43,7 @@ class Line:
 
     def text(self) -> str:
         count = f"{self.done}/{self.total}" if self.total is not None else f"{self.done}"
-        parts = [f"{self.label}: {count} {self.unit}"]
+        parts = [f"{self.label}: {count}{f' {self.unit}' if self.unit else ''}"]
         if self.failed:
             parts.append(f"{self.failed} failed")
         if self.rate is not None:
@@ -124,7 +124,7 @@ class StageWatch:
     def line(self, now: float, total: int | None) -> Line:
         line = Line(
             label=f"{STAGES[self.stage]} {self.source}",
-            unit="shards",
+            unit={"views": "views", **dict.fromkeys(SINGLE_UNIT, "")}.get(self.stage, "shards"),
             done=len(self.done),
             total=total,
             failed=len(self.failed),
@@ -246,14 +246,21 @@ class PlainRenderer:
 
 class LiveRenderer:
     """A rich live display, one row per stage, on the console Prefect logs to, so the log lines
-    scroll above it instead of tearing it."""
+    scroll above it instead of tearing it. Styles are named colours: that console's theme has
+    none of rich's default names (`bar.back`, ...)."""
 
     def __init__(self, console):
         from rich.progress import BarColumn, Progress, TextColumn
 
         self.progress = Progress(
             TextColumn("{task.description:<24}"),
-            BarColumn(bar_width=30),
+            BarColumn(
+                bar_width=30,
+                style="grey37",
+                complete_style="cyan",
+                finished_style="green",
+                pulse_style="cyan",
+            ),
             TextColumn("{task.fields[info]}"),
             console=console,
             refresh_per_second=4,

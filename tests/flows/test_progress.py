@@ -51,7 +51,7 @@ def test_stage_lines_from_the_records(tmp_path):
     assert list(lines) == ["fetch-metadata src", "filter src", "fetch-images src"]
     # The metadata files are the flow's to count; a later stage began, so it had them all.
     assert lines["fetch-metadata src"].text() == "fetch-metadata src: 2/2 shards, done"
-    assert lines["filter src"].text() == "filter src: 1/1 shards, done"
+    assert lines["filter src"].text() == "filter src: 1/1, done"
     # Done before the watch: counted as done, not in the rate (nothing ran yet).
     assert lines["fetch-images src"].text() == "fetch-images src: 1/4 shards"
 
@@ -95,10 +95,12 @@ def test_training_line_from_the_log(tmp_path):
     assert watcher.poll(now=60.0)[1].text() == "train demo: 24/24 steps, 16.0 samples/s, done"
 
 
-# A stage of two shards written while progress.watch shows it, on whatever stderr is.
+# A stage of two shards written while progress.watch shows it, on whatever stderr is, with
+# Prefect's logging set up as the CLI has it (its console, its theme) and a log line between.
 CHILD = """
-import sys, time
+import logging, sys, time
 from pathlib import Path
+import prefect.main  # sets up Prefect's logging: the root logger prints on its console
 from flows import progress
 from tasks.shards import run_shard
 
@@ -114,6 +116,7 @@ def work(stats):
 with progress.watch(root, sources=["src"]):
     for i in range(2):
         run_shard(root, "src", "shards", f"{i:05d}", work)
+        logging.getLogger("sdpipe").warning("shard %d written", i)
 """
 
 
@@ -147,6 +150,7 @@ def test_a_terminal_gets_a_live_display(tmp_path):
     assert "\x1b[?25l" in text and "\x1b[2K" in text  # cursor hidden, the line redrawn in place
     assert "fetch-images src" in text and "2/2 shards" in text and "done" in text
     assert "progress:" not in text
+    assert "shard 0 written" in text and "shard 1 written" in text  # logs go on, above it
 
 
 def test_a_log_gets_plain_lines(tmp_path):
@@ -159,10 +163,11 @@ def test_a_log_gets_plain_lines(tmp_path):
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    lines = done.stderr.splitlines()
     assert "\x1b" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("progress: ")]
     assert lines[0] == "progress: fetch-images src: 1/2 shards" or lines[0].startswith(
         "progress: fetch-images src: 1/2 shards, "
     )
     assert lines[-1].startswith("progress: fetch-images src: 2/2 shards, ")
     assert lines[-1].endswith(" samples/s, done") and len(lines) == 2
+    assert "shard 1 written" in done.stderr
