@@ -85,7 +85,10 @@ class StageWatch:
     def poll(self, now: float) -> None:
         if self.ended is not None:
             return
-        names = [p.name for p in self.dir.iterdir()] if self.dir.is_dir() else []
+        try:
+            names = [p.name for p in self.dir.iterdir()]
+        except OSError:  # not there yet, or being replaced (filter-pixels restarts its folder)
+            names = []
         records = {n.split(".")[0] for n in names if n.endswith(".stats.json") and n[0] != "."}
         failures = {n.split(".")[0] for n in names if n.endswith(".failed.json") and n[0] != "."}
         self.running = {n.lstrip(".").split(".")[0] for n in names if TMP_MARK in n}
@@ -312,12 +315,24 @@ def watch(
     else:
         renderer = PlainRenderer(stream)
     stop = threading.Event()
+    broken: list[Exception] = []
+
+    def show(final: bool = False) -> None:
+        # The display is a view of the work: if it breaks, it says so once and the work goes on
+        # (and the flow's own error, if any, is the one the command ends with).
+        if broken:
+            return
+        try:
+            renderer.show(watcher.poll(), final=final)
+        except Exception as e:
+            broken.append(e)
+            print(f"progress display stopped: {type(e).__name__}: {e}", file=stream)
 
     def run() -> None:
         while not stop.wait(POLL_S):
-            renderer.show(watcher.poll())
+            show()
 
-    watcher.poll()  # what was done before: shown as done, not counted in the rates
+    show()  # what was done before: shown as done, not counted in the rates
     thread = threading.Thread(target=run, name="sdpipe-progress", daemon=True)
     thread.start()
     try:
@@ -325,5 +340,5 @@ def watch(
     finally:
         stop.set()
         thread.join()
-        renderer.show(watcher.poll(), final=True)
+        show(final=True)
         renderer.close()
