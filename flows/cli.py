@@ -45,23 +45,27 @@ def cmd_catalog(args: argparse.Namespace) -> None:
 
 
 def cmd_build_latents(args: argparse.Namespace) -> int:
+    from flows import progress
     from flows.build_latents import build_latents, preflight
 
     preflight(args.source)
-    state = build_latents(
-        source=args.source,
-        data_root=args.data_root,
-        hf_dataset=args.hf_dataset,
-        return_state=True,
-    )
+    with progress.watch(data_root(args.data_root), sources=[args.source]):
+        state = build_latents(
+            source=args.source,
+            data_root=args.data_root,
+            hf_dataset=args.hf_dataset,
+            return_state=True,
+        )
     return _report(state)
 
 
 def cmd_curriculum(args: argparse.Namespace) -> int:
+    from flows import progress
     from flows.curriculum import curriculum, preflight
 
-    preflight(args.phase, data_root(args.data_root))
-    state = curriculum(phase=args.phase, data_root=args.data_root, return_state=True)
+    _, phase, _ = preflight(args.phase, data_root(args.data_root))
+    with progress.watch(data_root(args.data_root), phases=[phase.name]):
+        state = curriculum(phase=args.phase, data_root=args.data_root, return_state=True)
     return _report(state)
 
 

@@ -28,7 +28,7 @@ from prefect.artifacts import (
 from prefect.states import Failed
 
 from catalog import Catalog, CatalogError, Phase, load_catalog
-from flows import pools
+from flows import pools, train_pictures
 from flows.credentials import export_secrets
 from tasks import mix, plan, shards
 from tasks.train import TrainingFailed, launch_training, train_config_for_phase
@@ -138,15 +138,19 @@ def train_task(root: Path, phase: Phase, init_from: str, wandb_project: str = ""
                 ),
             )
 
+    live = train_pictures.LivePictures(
+        root / "runs" / phase.name, key=f"{_key(phase.name)}-train-pictures", title=phase.name
+    )
     failure = root / "runs" / phase.name / "failed.json"
     start = time.monotonic()
     try:
         with training_slot():
-            summary = launch_training(config, on_line=on_line)
+            summary = launch_training(config, on_line=live.watching(on_line))
     except Exception as e:
         shards.write_failure(failure, e, time.monotonic() - start)
         raise
     failure.unlink(missing_ok=True)
+    live.refresh()  # the final grid
     return summary
 
 
@@ -183,6 +187,8 @@ def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project:
                 f"- final weights (live + EMA): `{summary['checkpoint']}`",
                 f"- best checkpoint: `{summary['best_checkpoint']}`",
                 f"- sample grid (EMA): `{summary['sample_grid']}`",
+                "",
+                train_pictures.markdown(root / "runs" / spec.name, "## Loss and final samples"),
             ]
         ),
         key=f"{_key(spec.name)}-train-summary",

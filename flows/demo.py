@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from flows import local
+from flows import local, progress
 from flows.build_latents import source_summary
 from flows.stages import DISPLAY
 from tasks.shards import data_root
@@ -86,6 +86,8 @@ def main() -> None:
     local.deploy(root, port)
     if local.ensure_worker(root, port):
         print(f"started a process worker for pool '{local.WORK_POOL}'", flush=True)
-    run_deployment("build-latents/demo", root, port)
-    run_deployment("curriculum/demo", root, port)
+    with progress.watch(root, sources=["demo"]):
+        run_deployment("build-latents/demo", root, port)
+    with progress.watch(root, phases=["demo"]):
+        run_deployment("curriculum/demo", root, port)
     print(format_summary(root, port, time.monotonic() - start))

@@ -30,7 +30,7 @@ from flows.credentials import export_secrets
 from flows.names import DISPLAY
 from flows.pools import gpu_slot
 from tasks.shards import ShardStats, generation, is_done
-from tasks.waterfall import MAX_SAMPLES, Waterfall
+from tasks.waterfall import Waterfall, dashboard_markdown
 
 # Bump a stage's version when its output changes meaning: cached results of older versions
 # are then ignored.
@@ -217,7 +217,8 @@ def artifact_key(*parts: str) -> str:
 
 
 def publish_waterfall(source: str, report: Path, gallery: Path) -> None:
-    """The filter waterfall as a table artifact, and a markdown artifact linking its gallery."""
+    """The filter waterfall as a table artifact, and its gallery (thumbnails embedded) as a
+    markdown artifact."""
     if not report.exists():  # the stage failed before writing it; its failure is reported
         return
     wf = Waterfall.read(report)
@@ -227,18 +228,8 @@ def publish_waterfall(source: str, report: Path, gallery: Path) -> None:
         key=artifact_key(source, wf.stage, "waterfall"),
         description=f"{what}: rows removed per rule, alone and in sequence",
     )
-    shown = sum(len(v) for v in wf.samples.values())
     create_markdown_artifact(
-        "\n".join(
-            [
-                f"# {what}: what the rules threw away",
-                f"{wf.num_in} in, {wf.num_out} kept. Gallery of {shown} rejected samples "
-                f"(up to {MAX_SAMPLES} per rule: thumbnail, caption, scores): [{gallery.name}]"
-                f"({gallery.as_uri()})",
-                "",
-                f"`{gallery}`",
-            ]
-        ),
+        dashboard_markdown(wf, gallery),
         key=artifact_key(source, wf.stage, "gallery"),
         description=f"{what}: rejected samples per rule",
     )

@@ -1,8 +1,8 @@
-"""What rank 0 reports: a console line, `log.jsonl`, TensorBoard, and W&B when configured.
+"""What rank 0 reports: console lines, `log.jsonl`, TensorBoard, and W&B when configured.
 
-A resumed run first drops what the killed run logged after the checkpoint it resumes from
-(log.jsonl records past it, TensorBoard events via `purge_step`), so the logs are the history
-of the weights on disk. wandb is imported only when `wandb_project` is set.
+A resumed run first drops what the killed run logged after its checkpoint (log.jsonl records,
+TensorBoard events via `purge_step`), so the logs are the history of the weights on disk. The
+curriculum flow redraws the dashboard from these files when a console line says they changed.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Monitor:
             f"data_wait={metrics['data_wait']:.3f}",
             flush=True,
         )
-        self._record(step, metrics, rows_crc=rows_crc)
+        self._record(step, metrics, rows_crc=rows_crc, total_steps=total_steps)
 
     def validation(self, step: int, val_loss: float, *, is_best: bool) -> None:
         if not self.enabled:
@@ -61,6 +61,7 @@ class Monitor:
             return
         with atomic_path(path) as tmp:
             image.save(tmp, format="PNG")
+        print(f"sample grid step {step}: {path}", flush=True)
         self.writer.add_image("samples", np.asarray(image), step, dataformats="HWC")
         if self.wandb is not None:
             import wandb

@@ -1,13 +1,14 @@
-"""The filter waterfall: per rule, the rows it removes alone and in sequence; JSON + HTML gallery.
+"""The filter waterfall: per rule, the rows it removes alone and in sequence; JSON, an HTML
+gallery page and the dashboard's markdown gallery, both with their thumbnails embedded.
 
 `removed` counts each row under the first rule it fails, so the steps add up: num_in minus the
 sum of `removed` is num_out. `alone` is what the rule would remove by itself; for a dedup level
-that is among the rows passing every rule, the only rows duplicates are ever judged among.
+that is among the rows passing every rule, the only rows duplicates are ever judged among. A row
+rejected before download is shown by its URL as text: no page makes a browser fetch it.
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import io
 import json
@@ -17,10 +18,14 @@ from pathlib import Path
 
 from PIL import Image
 
+from tasks import pictures
 from tasks.shards import atomic_path
 
 MAX_SAMPLES = 16  # rejected samples shown per reason
-THUMB_SIDE = 160
+# The dashboard artifact's size: Prefect stores it in its database and the UI loads it whole.
+# A 112 px thumbnail is 2-4 KB as base64 (noise, the worst case, 3.6 KB): 16 samples of 16
+# rules fit; past the budget the rows stay and their thumbnails are left out.
+ARTIFACT_BUDGET = 1_000_000
 SHOWN_COLUMNS = ("aesthetic", "similarity", "pwatermark", "punsafe", "width", "height")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
@@ -57,11 +62,15 @@ class Waterfall:
         return rows
 
     def write(self, json_path: Path, gallery_path: Path) -> None:
-        """The JSON record and the HTML gallery of rejected samples, each written atomically."""
+        """The JSON record, the HTML gallery page and its dashboard markdown (`artifact_path`),
+        each written atomically; the thumbnails are read from the shards once for both."""
+        thumbs = thumbnails(self.samples)
         with atomic_path(json_path) as tmp:
             tmp.write_text(json.dumps(asdict(self), indent=1, default=str))
         with atomic_path(gallery_path) as tmp:
-            tmp.write_text(gallery_html(self))
+            tmp.write_text(gallery_html(self, thumbs))
+        with atomic_path(artifact_path(gallery_path)) as tmp:
+            tmp.write_text(artifact_markdown(self, thumbs, gallery_path))
 
     @classmethod
     def read(cls, path: Path) -> Waterfall:
@@ -93,8 +102,22 @@ def build(
     )
 
 
+def artifact_path(gallery_path: Path) -> Path:
+    """The dashboard's markdown of a gallery, written beside it (`gallery.md`)."""
+    return gallery_path.with_suffix(".md")
+
+
+def dashboard_markdown(wf: Waterfall, gallery_path: Path) -> str:
+    """The markdown the stage wrote beside its gallery; rendered again (reading the shards) for
+    a gallery written before sdpipe wrote one."""
+    page = artifact_path(gallery_path)
+    if page.exists():
+        return page.read_text()
+    return artifact_markdown(wf, thumbnails(wf.samples), gallery_path)
+
+
 def thumbnails(samples: dict[str, list[dict]]) -> dict[str, str]:
-    """key -> data URI of a JPEG thumbnail, for samples whose images sit in a shard tar."""
+    """key -> JPEG data URI, for samples whose images sit in a shard tar (read once per tar)."""
     wanted: dict[str, set[str]] = {}
     for rows in samples.values():
         for row in rows:
@@ -110,22 +133,23 @@ def thumbnails(samples: dict[str, list[dict]]) -> dict[str, str]:
                 if key not in keys or ext.lower() not in IMAGE_EXTENSIONS or not member.isfile():
                     continue
                 try:
-                    img = Image.open(io.BytesIO(tar.extractfile(member).read())).convert("RGB")
+                    img = Image.open(io.BytesIO(tar.extractfile(member).read()))
+                    out[key] = pictures.jpeg_uri(img, side=pictures.THUMB_SIDE)
                 except Exception:  # an image the gallery cannot show is shown as missing
                     continue
-                img.thumbnail((THUMB_SIDE, THUMB_SIDE))
-                buf = io.BytesIO()
-                img.save(buf, format="JPEG", quality=80)
-                out[key] = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
     return out
 
 
-def gallery_html(wf: Waterfall) -> str:
+def _scores(row: dict) -> str:
+    return " ".join(f"{c}={_fmt(row[c])}" for c in SHOWN_COLUMNS if row.get(c) is not None)
+
+
+def gallery_html(wf: Waterfall, thumbs: dict[str, str]) -> str:
     """One self-contained page: the waterfall table, then up to 16 rejected samples per reason.
 
-    Fetched images are embedded as thumbnails; rows judged before download show their URL.
+    Fetched images are embedded thumbnails; rows judged before download show their URL as
+    text, never as an image source.
     """
-    thumbs = thumbnails(wf.samples)
     esc = html.escape
     parts = [
         "<!doctype html><meta charset='utf-8'>",
@@ -133,8 +157,10 @@ def gallery_html(wf: Waterfall) -> str:
         "<style>body{font:14px sans-serif;margin:1.5em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
         ".grid{display:flex;flex-wrap:wrap;gap:10px}.card{width:180px;font-size:12px}"
-        ".card img{width:160px;height:160px;object-fit:contain;background:#eee}"
-        ".cap{overflow-wrap:anywhere}</style>",
+        ".pic{width:160px;height:160px;display:flex;align-items:center;justify-content:center;"
+        "background:#eee;color:#666;text-align:center;overflow-wrap:anywhere}"
+        ".pic img{max-width:160px;max-height:160px}"
+        ".cap,.url{overflow-wrap:anywhere}.url{font-family:monospace;color:#555}</style>",
         f"<h1>{esc(wf.stage)} &mdash; profile {esc(wf.profile)}</h1>",
         f"<p>{wf.num_in} in, {wf.num_out} kept.</p>",
         "<table><tr><th>rule</th><th>removed alone</th><th>removed in sequence</th>"
@@ -155,18 +181,79 @@ def gallery_html(wf: Waterfall) -> str:
             "<div class='grid'>"
         )
         for row in rows:
-            src = thumbs.get(row["key"]) or row.get("url") or ""
-            scores = " ".join(
-                f"{c}={_fmt(row[c])}" for c in SHOWN_COLUMNS if row.get(c) is not None
-            )
+            url = str(row.get("url") or "")
+            if thumb := thumbs.get(row["key"]):
+                pic = f"<img src='{esc(thumb)}' alt=''>"
+            elif row.get("tar"):
+                pic = "no thumbnail (image unreadable)"
+            else:
+                pic = f"not downloaded<br><b>{esc(pictures.url_domain(url))}</b>"
             parts.append(
-                f"<div class='card'><img loading='lazy' src='{esc(src)}' alt=''>"
+                f"<div class='card'><div class='pic'>{pic}</div>"
                 f"<div><b>{esc(str(row['key']))}</b></div>"
                 f"<div class='cap'>{esc(str(row.get('caption') or ''))}</div>"
-                f"<div>{esc(scores)}</div></div>"
+                f"<div>{esc(_scores(row))}</div>"
+                + ("" if row.get("tar") or not url else f"<div class='url'>{esc(url)}</div>")
+                + "</div>"
             )
         parts.append("</div>")
     return "\n".join(parts)
+
+
+def artifact_markdown(wf: Waterfall, thumbs: dict[str, str], gallery_path: Path) -> str:
+    """The dashboard's gallery: per rule, up to 16 rejected samples as table rows (thumbnail or,
+    before download, the URL as text; key, caption, scores), at most ARTIFACT_BUDGET characters.
+
+    Thumbnails go in rule order while they fit the budget; the rest are named as left out (the
+    gallery page on disk has them all).
+    """
+
+    def render(images: dict[str, str]) -> str:
+        shown = sum(len(v) for v in wf.samples.values())
+        lines = [
+            f"# {md(wf.stage)}: what the rules of profile {md(wf.profile)} threw away",
+            f"{wf.num_in} in, {wf.num_out} kept; {shown} rejected samples below (up to "
+            f"{MAX_SAMPLES} per rule). The same gallery as a self-contained page, to share: "
+            f"{pictures.md_code(gallery_path, limit=400)}",
+        ]
+        for s in wf.steps:
+            rows = wf.samples.get(s.rule, [])
+            if not rows:
+                continue
+            fetched = any(row.get("tar") for row in rows)  # pixel stages; metadata: none
+            # Before download the URL goes last: long, and the least telling of the four.
+            header = "image | sample | caption | scores"
+            if not fetched:
+                header = "sample | caption | scores | not downloaded: where from"
+            lines += ["", f"## {md(s.rule)}: {len(rows)} of {s.removed} removed", ""]
+            lines += [f"| {header} |", "|---|---|---|---|"]
+            for row in rows:
+                key, url = str(row["key"]), str(row.get("url") or "")
+                caption = md(row.get("caption") or "")
+                text = f"{pictures.md_code(key)} | {caption} | {md(_scores(row))}"
+                if not fetched:
+                    where = f"**{md(pictures.url_domain(url))}** {pictures.md_code(url)}"
+                    lines.append(f"| {text} | {where} |")
+                elif key in images:
+                    lines.append(f"| ![{md(key)}]({images[key]}) | {text} |")
+                else:
+                    why = "left out (size limit): in the page" if key in thumbs else "unreadable"
+                    lines.append(f"| {why} | {text} |")
+        return "\n".join(lines) + "\n"
+
+    allowance = ARTIFACT_BUDGET - len(render({}))
+    images: dict[str, str] = {}
+    for s in wf.steps:
+        for row in wf.samples.get(s.rule, []):
+            uri = thumbs.get(row["key"])
+            if uri is not None and len(uri) + 8 <= allowance:
+                images[row["key"]] = uri
+                allowance -= len(uri) + 8  # `![key](...)`: the key is counted in the text
+    return render(images)
+
+
+def md(text: object) -> str:
+    return pictures.md_text(text)
 
 
 def _fmt(value) -> str:

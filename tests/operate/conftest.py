@@ -126,15 +126,23 @@ def shared_stack(pg, redis_broker, small_catalog, tmp_path_factory) -> Stack:
         local.stop(root)
 
 
+def _run_deployment(stack: Stack, name: str):
+    run = stack.cli("deployment", "run", name, "--watch", "--watch-interval", "2")
+    match = re.search(r"UUID: ([0-9a-f-]{36})", run.stdout)
+    assert match, run.stdout[-2000:] + run.stderr[-2000:]
+    return stack.wait_final(match.group(1))
+
+
 @pytest.fixture(scope="session")
 def demo_run(shared_stack):
     """The build-latents/demo deployment run by a worker of the shared stack, finished."""
-    run = shared_stack.cli(
-        "deployment", "run", "build-latents/demo", "--watch", "--watch-interval", "2"
-    )
-    match = re.search(r"UUID: ([0-9a-f-]{36})", run.stdout)
-    assert match, run.stdout[-2000:] + run.stderr[-2000:]
-    return shared_stack.wait_final(match.group(1))
+    return _run_deployment(shared_stack, "build-latents/demo")
+
+
+@pytest.fixture(scope="session")
+def demo_training(shared_stack, demo_run):
+    """The curriculum/demo deployment (mix + 4 steps on 2 CPU ranks) after `demo_run`, finished."""
+    return _run_deployment(shared_stack, "curriculum/demo")
 
 
 @pytest.fixture

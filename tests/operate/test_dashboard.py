@@ -1,6 +1,7 @@
 """The dashboard in a real browser: headless Chromium (Debian's `chromium`) driven by Playwright
 logs in with the auth string, finds the build-latents/demo run, sees its progress and counts
-artifacts, and saves screenshots in the test's output folder."""
+artifacts, sees the pictures of the galleries and the training render, and saves screenshots in
+the test's output folder. Nothing sdpipe writes makes a browser load an image from elsewhere."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import re
 
 import pytest
 
+from tests.image_sources import html_sources, markdown_sources, not_embedded
+
 pytestmark = pytest.mark.slow
+
+
+def _login(page, stack) -> None:
+    """The dashboard asks for the auth string first."""
+    page.goto(f"{stack.ui_url}/runs", wait_until="networkidle")
+    page.get_by_placeholder("admin:pass").fill(stack.auth)
+    page.get_by_role("button", name="Login").click()
 
 
 def test_dashboard_shows_the_demo_run(shared_stack, demo_run, out_dir, browser):
@@ -16,10 +26,7 @@ def test_dashboard_shows_the_demo_run(shared_stack, demo_run, out_dir, browser):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(60_000)
     try:
-        # The dashboard asks for the auth string first.
-        page.goto(f"{shared_stack.ui_url}/runs", wait_until="networkidle")
-        page.get_by_placeholder("admin:pass").fill(shared_stack.auth)
-        page.get_by_role("button", name="Login").click()
+        _login(page, shared_stack)
 
         # The runs list names the run, its flow and its deployment.
         page.get_by_text(demo_run.name).first.wait_for()
@@ -62,3 +69,110 @@ def test_dashboard_shows_the_demo_run(shared_stack, demo_run, out_dir, browser):
         page.close()
     assert (out / "artifacts.png").stat().st_size > 10_000
     print(f"screenshots: {out}")
+
+
+def _open_artifact(page, stack, flow_run_id, key: str) -> str:
+    page.goto(f"{stack.ui_url}/runs/flow-run/{flow_run_id}")
+    page.get_by_text("Artifacts", exact=True).first.click()
+    page.get_by_text(key, exact=True).first.click()
+    page.get_by_text("Show raw data").first.wait_for()
+    return page.inner_text("body")
+
+
+def _images(page, *, at_least: int = 0) -> list[dict]:
+    """Every image of the page once `at_least` embedded ones are there and all are loaded: its
+    source and natural width (0: not rendered)."""
+    page.wait_for_function(
+        "n => Array.from(document.images).filter(i => i.src.startsWith('data:')).length >= n",
+        arg=at_least,
+    )
+    page.wait_for_function("Array.from(document.images).every(i => i.complete)")
+    return page.eval_on_selector_all(
+        "img", "els => els.map(e => ({src: e.currentSrc || e.src, width: e.naturalWidth}))"
+    )
+
+
+def test_galleries_and_training_pictures_render(
+    shared_stack, demo_run, demo_training, out_dir, browser
+):
+    assert demo_training.state.is_completed(), demo_training.state.message
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(60_000)
+    ui = shared_stack.ui_url
+
+    def pictures(flow_run, key: str, *, text: str, at_least: int) -> str:
+        _open_artifact(page, shared_stack, flow_run.id, key)
+        page.get_by_text(text).first.wait_for()
+        images = _images(page, at_least=at_least)
+        page.screenshot(path=out_dir / f"{key}.png", full_page=True)
+        embedded = [i for i in images if i["src"].startswith("data:")]
+        assert len(embedded) >= at_least, (key, images)
+        assert all(i["width"] > 0 for i in embedded), key  # each one decoded and drawn
+        # The UI's own files come from its server; nothing from anywhere else.
+        assert [i["src"] for i in images if not i["src"].startswith(("data:", ui + "/"))] == []
+        return page.inner_text("body")
+
+    try:
+        _login(page, shared_stack)
+        page.get_by_text(demo_run.name).first.wait_for()
+        # The waterfall: rows removed per rule, as a table.
+        body = _open_artifact(page, shared_stack, demo_run.id, "demo-filter-pixels-waterfall")
+        assert "duplicate_sha256" in body and "remaining" in body
+        page.screenshot(path=out_dir / "demo-filter-pixels-waterfall.png", full_page=True)
+        # The pixel filter's rejects: their thumbnails, inside the dashboard.
+        pictures(
+            demo_run,
+            "demo-filter-pixels-gallery",
+            text="duplicate_sha256: 4 of 4 removed",
+            at_least=4,
+        )
+        # The metadata filter's rejects were never downloaded: their hosts and URLs as text.
+        body = pictures(
+            demo_run, "demo-filter-gallery", text="not downloaded: where from", at_least=0
+        )
+        assert "http://127.0.0.1:" in body
+        # The training: curves and the latest grid while it runs, the final grid at the end.
+        pictures(
+            demo_training,
+            "demo-train-pictures",
+            text="Sample grid, final (EMA weights)",
+            at_least=2,
+        )
+        pictures(demo_training, "demo-train-summary", text="samples in the mix", at_least=2)
+    except Exception:
+        page.screenshot(path=out_dir / "failure.png", full_page=True)
+        raise
+    finally:
+        page.close()
+    print(f"screenshots: {out_dir}")
+
+
+def test_no_page_or_artifact_of_the_demo_loads_a_remote_image(
+    shared_stack, demo_run, demo_training
+):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    pages = [
+        p for p in shared_stack.root.rglob("*") if p.suffix in (".html", ".md") and p.is_file()
+    ]
+    assert {p.name for p in pages} >= {"gallery.html", "gallery.md"}
+    embedded = 0
+    for p in pages:
+        text = p.read_text()
+        sources = html_sources(text) if p.suffix == ".html" else markdown_sources(text)
+        assert not_embedded(sources) == [], p
+        embedded += len(sources)
+    with shared_stack.client() as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[demo_run.id, demo_training.id])
+            )
+        )
+    markdown = {a.key: a.data for a in artifacts if a.type == "markdown"}
+    assert {"demo-filter-gallery", "demo-train-pictures", "demo-train-summary"} <= set(markdown)
+    for key, text in markdown.items():
+        sources = markdown_sources(text)
+        assert not_embedded(sources) == [], key
+        assert len(text.encode()) < 1_000_000, key  # the artifact budget
+        embedded += len(sources)
+    assert embedded >= 8  # thumbnails, curves and grids: the check saw pictures

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from flows import train_pictures
 from flows.curriculum import parse_step_line
 from sdtrain.checkpoint import read_ema_step
 from sdtrain.config import TrainConfig
@@ -99,6 +100,13 @@ def test_two_rank_run_writes_checkpoints_samples_and_summary(two_rank_run):
     grid = Image.open(summary["sample_grid"])
     assert grid.size == (4 * 64, 64)  # the 4 default prompts in one row of 64px images
     assert (run / "samples" / "step-000003.png").exists()
+    # Each grid is announced, so the curriculum flow redraws the dashboard's pictures then.
+    grid_lines = [line for line in lines if train_pictures.GRID_LINE.match(line)]
+    assert grid_lines == [
+        f"sample grid step 3: {run / 'samples' / 'step-000003.png'}",
+        f"sample grid step 6: {run / 'samples' / 'final.png'}",
+    ]
+    assert {r["total_steps"] for r in logged} == {6}  # a watcher's ETA
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert not [p for p in run.rglob("*") if TMP_MARK in p.name]
 

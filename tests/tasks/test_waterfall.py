@@ -1,17 +1,25 @@
 """The filter waterfall: counts that add up, written next to the outputs with a gallery of what
-each rule threw away, and a clean zero-row report for an empty input."""
+each rule threw away (a page and the dashboard's markdown, neither loading anything from the
+network), and a clean zero-row report for an empty input."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import json
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from catalog import FilterProfile
 from tasks import filter as filter_stage
+from tasks import pictures, waterfall
 from tasks.waterfall import MAX_SAMPLES, Waterfall
+from tests.image_sources import html_sources, markdown_sources, not_embedded
 from tests.tasks.metadata_rows import RECIPE, row, write_metadata
 
 PROFILE = dataclasses.replace(RECIPE, dedup=("url",))
@@ -52,8 +60,36 @@ def test_gallery_shows_up_to_16_rejected_samples_per_reason(tmp_path):
     page = (out / "gallery.html").read_text()
     assert page.count("class='card'") == MAX_SAMPLES
     assert "&lt;b&gt;caption&lt;/b&gt; ugly00" in page  # captions are escaped
-    assert "http://x/ugly00.jpg" in page  # before download, the image is its URL
     assert "aesthetic=2" in page
+    # Never downloaded: the URL is shown as text with its host, and nothing is loaded from it.
+    assert "<div class='url'>http://x/ugly00.jpg</div>" in page
+    assert html_sources(page) == []
+    dashboard = (out / "gallery.md").read_text()
+    assert markdown_sources(dashboard) == []
+    assert "**x** `http://x/ugly00.jpg`" in dashboard
+    assert dashboard.count("| `ugly") == MAX_SAMPLES
+
+
+def test_captions_and_urls_from_the_web_never_load_anything(tmp_path):
+    # Rejected rows are exactly the ones a reviewer must not fetch (NSFW, blocklisted): their
+    # captions may carry markup of their own.
+    hostile = [
+        "![pixel](http://tracker.example/a.png)",
+        "<img src='http://tracker.example/b.png'>",
+        "[![x](https://tracker.example/c.png)](http://y)",
+        "a | b ` c <style>body{background:url(http://tracker.example/d.png)}</style>",
+    ]
+    rows = [row("ok")] + [
+        row(f"bad{i}", caption=c, aesthetic=2.0, url=f"https://tracker.example/{i}.jpg")
+        for i, c in enumerate(hostile)
+    ]
+    write_metadata(tmp_path, rows)
+    filter_stage.filter_metadata(tmp_path, "src", PROFILE, 100)
+    out = tmp_path / "src" / "filtered"
+    assert not_embedded(html_sources((out / "gallery.html").read_text())) == []
+    dashboard = (out / "gallery.md").read_text()
+    assert not_embedded(markdown_sources(dashboard)) == []
+    assert dashboard.count("**tracker.example**") == len(hostile)  # the host, as text
 
 
 def test_pixel_gallery_embeds_thumbnails_of_the_fetched_images(fetched, scene, tmp_path):
@@ -67,6 +103,46 @@ def test_pixel_gallery_embeds_thumbnails_of_the_fetched_images(fetched, scene, t
     assert stats.dropped == {"too_small": 1}
     page = (tmp_path / "src" / "selected" / "gallery.html").read_text()
     assert page.count("data:image/jpeg;base64,") == 1
+    # The dashboard's gallery embeds the same thumbnail: a JPEG of the rejected image, small.
+    dashboard = (tmp_path / "src" / "selected" / "gallery.md").read_text()
+    (uri,) = markdown_sources(dashboard)
+    thumb = Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1])))
+    assert thumb.format == "JPEG" and thumb.size == (pictures.THUMB_SIDE,) * 2  # from 256 px
+    assert "too\\_small: 1 of 1 removed" in dashboard
+    # A gallery written before sdpipe wrote its markdown is rendered again from the shards.
+    out = tmp_path / "src" / "selected"
+    (out / "gallery.md").unlink()
+    wf = Waterfall.read(out / "waterfall.json")
+    assert waterfall.dashboard_markdown(wf, out / "gallery.html") == dashboard
+
+
+def test_dashboard_gallery_stays_under_its_budget():
+    # 30 rules x 16 rejects of noise (the worst case for JPEG) are ~1.7 MB of thumbnails: they
+    # go in rule order while they fit, the rest are named as left out.
+    rng = np.random.default_rng(0)
+    noise = Image.fromarray(rng.integers(0, 256, (512, 512, 3), dtype=np.uint8))
+    rules = [f"rule{i:02d}" for i in range(30)]
+    samples = {
+        r: [{"key": f"{r}-{j}", "caption": "c", "tar": "x.tar"} for j in range(MAX_SAMPLES)]
+        for r in rules
+    }
+    thumb = pictures.jpeg_uri(noise, side=pictures.THUMB_SIDE)
+    thumbs = {s["key"]: thumb for rows in samples.values() for s in rows}
+    assert sum(map(len, thumbs.values())) > 1.5 * waterfall.ARTIFACT_BUDGET
+    wf = waterfall.build(
+        stage="filter-pixels",
+        profile="p",
+        num_in=1000,
+        counts=[(r, MAX_SAMPLES, MAX_SAMPLES) for r in rules],
+        samples=samples,
+    )
+    text = waterfall.artifact_markdown(wf, thumbs, Path("/data/src/selected/gallery.html"))
+    assert len(text.encode()) <= waterfall.ARTIFACT_BUDGET
+    shown = markdown_sources(text)
+    assert len(shown) > 15 * MAX_SAMPLES  # most of the budget is pictures
+    assert text.count("left out (size limit)") == len(thumbs) - len(shown)
+    in_rule_order = [s["key"] for r in rules for s in samples[r]]
+    assert re.findall(r"!\[([^\]]*)\]\(data:", text) == in_rule_order[: len(shown)]
 
 
 def test_empty_metadata_folder_gives_a_zero_row_report(tmp_path):
