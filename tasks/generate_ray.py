@@ -60,7 +60,7 @@ def generate_images_on_ray(
     out_dir: str | Path,
     *,
     num_workers: int | None = None,
-    gpus_per_worker: float = 1,
+    gpus_per_worker: float | None = None,
     cpus_per_worker: float = 1,
     settings: Settings = DEFAULT_SETTINGS,
     use_ema: bool = True,
@@ -68,10 +68,13 @@ def generate_images_on_ray(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> pa.Table:
     """`tasks.generate.generate_images` on the Ray cluster this process is connected to (or
-    RAY_ADDRESS, or a local one). `num_workers`: actors (default: as many as the cluster's
-    GPUs, or CPUs with `gpus_per_worker=0`, hold)."""
+    RAY_ADDRESS, or a local one). `gpus_per_worker`: default 1, or 0 (CPU actors) on a cluster
+    without GPUs, where GPU actors would wait forever. `num_workers`: actors (default: as many
+    as the cluster's GPUs, or CPUs, hold)."""
     if not ray.is_initialized():
         ray.init()
+    if gpus_per_worker is None:
+        gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     out_dir = Path(out_dir).absolute()
     with batch_lock(out_dir):
         w, items, pending = start(

@@ -1,5 +1,5 @@
-"""The Ray Data engine on a local Ray cluster finishes a batch that a local run began: it makes
-only the missing images, and they are the ones the local engine makes."""
+"""The Ray Data engine on a local Ray cluster (no GPUs: CPU actors) finishes a batch that a local
+run began: it makes only the missing images, and they are the ones the local engine makes."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_ray_data_finishes_a_batch_begun_locally(tmp_path):
     try:
         calls = []
         index = generate_images_on_ray(
-            run_dir, PROMPTS, SEEDS, out, num_workers=1, gpus_per_worker=0, settings=SETTINGS,
+            run_dir, PROMPTS, SEEDS, out, num_workers=1, settings=SETTINGS,
             batch_size=2, on_progress=lambda done, total: calls.append((done, total)),
         )  # fmt: skip
     finally:
