@@ -61,12 +61,13 @@ def generate_task(
     progress_id = create_progress_artifact(
         0.0, key=f"{key}-progress", description=f"generate {out_dir}: images done"
     )
-    counts: dict[str, int] = {}
+    first: dict[str, float] = {}  # images there and time when the batch got its devices
     last_update = 0.0
 
     def on_progress(done: int, total: int) -> None:
         nonlocal last_update
-        counts.setdefault("already_there", done)
+        first.setdefault("already_there", done)
+        first.setdefault("start", time.monotonic())
         if done == total or time.monotonic() - last_update >= PROGRESS_EVERY_S:
             update_progress_artifact(progress_id, 100.0 * done / total)
             last_update = time.monotonic()
@@ -74,7 +75,6 @@ def generate_task(
     kwargs = dict(
         settings=settings, use_ema=use_ema, batch_size=batch_size, on_progress=on_progress
     )
-    start = time.monotonic()
     if os.environ.get("RAY_ADDRESS"):
         logger.info("on the Ray cluster at %s", os.environ["RAY_ADDRESS"])
         index = _on_ray(prompts, weights, out_dir, seeds, num_devices, kwargs)
@@ -84,14 +84,15 @@ def generate_task(
         with pools.gpu_devices(wanted) as devices:
             logger.info("generating on %s", ", ".join(map(str, devices)))
             index = gen.generate_images(weights, prompts, seeds, out_dir, devices=devices, **kwargs)
-    seconds = time.monotonic() - start
-    made = index.num_rows - counts["already_there"]
+    seconds = time.monotonic() - first["start"]
+    already_there = int(first["already_there"])
+    made = index.num_rows - already_there
     return {
         "out_dir": str(out_dir),
         "index": str(out_dir / gen.INDEX),
         "num_images": index.num_rows,
         "num_made": made,
-        "num_already_there": counts["already_there"],
+        "num_already_there": already_there,
         "seconds": round(seconds, 2),
         "images_per_s": round(made / seconds, 3) if made else None,
         "by_device": dict(Counter(d for d in index["device"].to_pylist() if d is not None)),
