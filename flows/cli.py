@@ -122,6 +122,42 @@ def cmd_export(args: argparse.Namespace) -> None:
     print(f"diffusers folder: {folder}\nsingle file: {single_file}")
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Run the generate flow here on a prompt file; bad input fails before any server starts."""
+    from flows.generate import generate, preflight
+    from tasks.generate import GenerateError
+
+    root = data_root(args.data_root)
+    try:
+        _, weights = preflight(args.prompts.absolute(), args.weights, root)
+    except GenerateError as e:
+        print(f"sdpipe: error: {e}", file=sys.stderr)
+        return 2
+    state = generate(
+        prompts_file=str(args.prompts.absolute()),
+        weights=str(weights),
+        out_dir=str(args.out.absolute()),
+        per_prompt=args.per_prompt,
+        seed=args.seed,
+        num_steps=args.steps,
+        guidance_scale=args.guidance,
+        negative_prompt=args.negative,
+        live=args.live,
+        batch_size=args.batch_size,
+        num_devices=args.devices,
+        data_root=args.data_root,
+        return_state=True,
+    )
+    if code := _report(state):
+        return code
+    s = state.result()
+    print(
+        f"{s['num_images']} images ({s['num_made']} made, {s['num_already_there']} already "
+        f"there) in {s['out_dir']}; index: {s['index']}"
+    )
+    return 0
+
+
 def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--phase", help="a trained phase under the data root (runs/<phase>/)")
@@ -290,6 +326,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_weights_arguments(p)
     p.add_argument("--half", action="store_true", help="fp16 weights (default: fp32)")
     p.set_defaults(fn=cmd_export)
+    p = sub.add_parser(
+        "generate",
+        help="prompts x seeds -> PNG files + index.parquet; one worker per device; resumable",
+    )
+    p.add_argument("prompts", type=Path, help="prompt file: one per line, # comments")
+    p.add_argument(
+        "--weights", required=True, help="a run name under <root>/runs/, or a weights folder"
+    )
+    p.add_argument("--per-prompt", type=int, default=4, help="images per prompt (default: 4)")
+    p.add_argument("--out", type=Path, required=True, help="folder of the images and index")
+    p.add_argument("--seed", type=int, default=0, help="first seed of each prompt (default: 0)")
+    p.add_argument("--steps", type=int, default=100, help="DDIM steps (default: 100)")
+    p.add_argument("--guidance", type=float, default=7.5, help="CFG scale (default: 7.5)")
+    p.add_argument("--negative", help="negative prompt (default: the run's, empty unless set)")
+    p.add_argument("--live", action="store_true", help="the live weights instead of the EMA")
+    p.add_argument("--batch-size", type=int, default=8, help="images per forward pass")
+    p.add_argument("--devices", type=int, help="workers (default: every device of this node)")
+    p.set_defaults(fn=cmd_generate)
     sub.add_parser(
         "demo", help="the whole chain on the demo source through deployments"
     ).set_defaults(fn=cmd_demo)

@@ -8,6 +8,7 @@ DDIM's pixel-space clamp washes samples out. The sampler shares the trainer's al
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,19 +56,20 @@ def sample_latents(
     latent_shape: tuple[int, int, int],
     num_steps: int,
     guidance_scale: float,
-    seed: int,
+    seed: int | Sequence[int],
     prediction_type: str = "epsilon",
 ) -> torch.Tensor:
     """Latents [N, *latent_shape] for N prompt embeddings, guided away from `negative_emb`.
 
     `negative_emb` is [1, 77, D] (one negative prompt for all) or [N, 77, D]. The initial noise
-    is drawn on the CPU, so a seed gives the same images on CUDA, MPS and CPU.
+    is drawn on the CPU, so a seed gives the same images on CUDA, MPS and CPU. One seed draws
+    the whole batch's noise; N seeds draw each image's own, so an image does not depend on the
+    batch it was made in (batch generation resumes and splits work on that).
     """
     scheduler = ddim_scheduler(prediction_type)
     scheduler.set_timesteps(num_steps)
     num_images = text_emb.shape[0]
-    generator = torch.Generator().manual_seed(seed)
-    latents = torch.randn((num_images, *latent_shape), generator=generator).to(text_emb.device)
+    latents = initial_noise(num_images, latent_shape, seed).to(text_emb.device)
     latents = latents * scheduler.init_noise_sigma
     cond = torch.cat([negative_emb.expand(num_images, -1, -1), text_emb])
     for t in scheduler.timesteps:
@@ -75,6 +77,19 @@ def sample_latents(
         out = out_negative + guidance_scale * (out_text - out_negative)
         latents = scheduler.step(out.float(), t, latents).prev_sample
     return latents
+
+
+def initial_noise(
+    num_images: int, latent_shape: tuple[int, ...], seed: int | Sequence[int]
+) -> torch.Tensor:
+    if isinstance(seed, int):
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn((num_images, *latent_shape), generator=generator)
+    if len(seed) != num_images:
+        raise ValueError(f"{len(seed)} seeds for {num_images} images")
+    return torch.cat(
+        [torch.randn((1, *latent_shape), generator=torch.Generator().manual_seed(s)) for s in seed]
+    )
 
 
 @torch.no_grad()
@@ -152,9 +167,10 @@ def generate(
     negative_prompt: str = "",
     num_steps: int = 100,
     guidance_scale: float = 7.5,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
 ) -> list[Image.Image]:
-    """One image per prompt: DDIM, no x0 clamp, CFG against `negative_prompt`."""
+    """One image per prompt: DDIM, no x0 clamp, CFG against `negative_prompt`; `seed`: one for
+    the batch, or one per prompt (see `sample_latents`)."""
     device = networks.unet.device
     text_emb = encode_text(networks.text_encoder, tokenize(prompts))
     negative_emb = encode_text(networks.text_encoder, tokenize([negative_prompt]))

@@ -25,6 +25,7 @@ from sdtrain.sampling import (
     encode_text,
     generate,
     image_grid,
+    initial_noise,
     load_networks,
     sample_latents,
 )
@@ -56,6 +57,18 @@ def test_ddim_never_clamps_x0_in_latent_space():
     a_first, a_last = alphas_cumprod()[scheduler.timesteps[0]], alphas_cumprod()[0]
     torch.testing.assert_close(latents, initial * (a_last / a_first).sqrt())
     assert latents.abs().max() > 10  # a clamped x0 would keep every value within ~1
+
+
+def test_one_seed_per_image_draws_each_images_own_noise():
+    """Batch generation relies on it: an image's noise does not depend on its batch."""
+    batch = initial_noise(3, (4, 8, 8), [7, 3, 7])
+    for row, seed in zip(batch, [7, 3, 7], strict=True):
+        torch.testing.assert_close(row[None], initial_noise(1, (4, 8, 8), seed), rtol=0, atol=0)
+    one_seed = initial_noise(3, (4, 8, 8), 7)  # one seed: one draw for the batch, as before
+    torch.testing.assert_close(one_seed[:1], batch[:1], rtol=0, atol=0)
+    assert not torch.equal(one_seed[2], batch[2])
+    with pytest.raises(ValueError, match="2 seeds for 3 images"):
+        initial_noise(3, (4, 8, 8), [1, 2])
 
 
 def test_negative_prompt_reaches_the_unet(one_rank_run, monkeypatch, tmp_path):
