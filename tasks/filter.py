@@ -276,9 +276,11 @@ def judge(
     *,
     label: str,
     scores_dir: Path | None = None,
+    device: str | None = None,
 ) -> Waterfall:
     """Judge the relation `rows`: leaves table `passing` (rows passing every rule, with `reason`
-    NULL for the kept ones and `duplicate_<level>` for the rest) and returns the waterfall."""
+    NULL for the kept ones and `duplicate_<level>` for the rest) and returns the waterfall.
+    `device`: where semantic dedup computes (a GPU the caller holds a slot of; default CPU)."""
     available = [r[0] for r in con.sql("DESCRIBE rows").fetchall() if r[0] not in POSITION]
     rule_list = rules(profile, stage=stage, available=set(available))
     level_list = levels(profile, stage)
@@ -300,7 +302,8 @@ def judge(
         if num_passing != num_in - sum(c[2] for c in counts):
             raise AssertionError(f"rules counted {num_in} - {counts} but {num_passing} rows pass")
         for level in level_list:
-            counts.append((f"duplicate_{level}", *dedup.mark(con, profile, level, scores_dir)))
+            marked = dedup.mark(con, profile, level, scores_dir, device=device)
+            counts.append((f"duplicate_{level}", *marked))
         samples = sampling.result()
     samples |= _duplicate_samples(con, level_list, pixels=pixels)
     return waterfall.build(
@@ -576,10 +579,11 @@ def _runs(values: pa.ChunkedArray) -> dict[str, tuple[int, int]]:
 
 
 def select_pixels(
-    root: Path, source: str, profile: FilterProfile, *, scored: bool = False
+    root: Path, source: str, profile: FilterProfile, *, scored: bool = False, device=None
 ) -> ShardStats:
     """The profile over the fetched pixels (actual sizes; with `scored`, the score stage's
-    scores, pHash and embeddings) and dedup across the whole source.
+    scores, pHash and embeddings) and dedup across the whole source; semantic dedup runs on
+    `device` (a GPU whose pool slot the caller holds; default CPU).
 
     Reads every `shards/NNNNN.parquet` (status `success` rows) and writes, per shard, the
     kept keys and captions to `selected/NNNNN.parquet`, plus the waterfall and gallery.
@@ -596,6 +600,7 @@ def select_pixels(
             "pixels",
             label="filter-pixels",
             scores_dir=root / source / "scores" if scored else None,
+            device=device,
         )
         kept = to_arrow(
             con.sql(
