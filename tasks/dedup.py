@@ -9,6 +9,9 @@ Neither compares all pairs: pHash pairs come from sorted permuted prefixes
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -108,7 +111,7 @@ def mark(
             alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
         elif len(ids):
             # The cluster-ordered embeddings go to disk beside the source, not to memory.
-            with tempfile.TemporaryDirectory(prefix=".semantic.tmp-", dir=scores_dir.parent) as tmp:
+            with semantic_workdir(scores_dir.parent) as tmp:
                 index = SemanticIndex(
                     score_parts(con, scores_dir, len(ids)),
                     rank,
@@ -134,6 +137,22 @@ def _rank_terms(con: duckdb.DuckDBPyConnection) -> list[str]:
     columns = {r[0] for r in con.sql("DESCRIBE passing").fetchall()}
     needs = (("width", "height"), ("aesthetic",), ("key",), ("filename",), ("file_row_number",))
     return [t for t, cols in zip(RANK_ORDER, needs, strict=True) if set(cols) <= columns]
+
+
+def semantic_workdir(source_dir: Path) -> tempfile.TemporaryDirectory:
+    """A folder for the cluster-ordered embeddings (as large as the embeddings, twice over),
+    removed after use; one a killed run on this host left (its process gone) goes first."""
+    host = socket.gethostname()
+    for stale in source_dir.glob(f".semantic.tmp-{host}-*"):
+        pid = int(stale.name.rsplit("-", 2)[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+    prefix = f".semantic.tmp-{host}-{os.getpid()}-"
+    return tempfile.TemporaryDirectory(prefix=prefix, dir=source_dir)
 
 
 def score_parts(con: duckdb.DuckDBPyConnection, scores_dir: Path, num_rows: int) -> Parts:

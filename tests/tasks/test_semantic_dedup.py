@@ -4,6 +4,11 @@ low-precision screen never decides a pair; embeddings stream from the score shar
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+from pathlib import Path
+
 import duckdb
 import numpy as np
 import pyarrow as pa
@@ -141,3 +146,18 @@ def test_gpu_and_cpu_make_the_same_decisions():
     cpu = dedup.semantic_losers(x, rank, THRESHOLD, device="cpu", num_clusters=12)
     gpu = dedup.semantic_losers(x, rank, THRESHOLD, device="cuda", num_clusters=12)
     np.testing.assert_array_equal(gpu, cpu)
+
+
+def test_a_killed_runs_embeddings_are_removed_by_the_next_run(tmp_path):
+    host = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is free now
+    stale = tmp_path / f".semantic.tmp-{host}-{gone.pid}-abc"
+    running = tmp_path / f".semantic.tmp-{host}-{os.getpid()}-def"
+    for folder in (stale, running):
+        folder.mkdir()
+        (folder / "semantic-slots.npy").write_bytes(b"0" * 100)
+    with dedup.semantic_workdir(tmp_path) as work:
+        assert Path(work).parent == tmp_path and Path(work).is_dir()
+        assert not stale.exists() and running.exists()
+    assert not Path(work).exists()
