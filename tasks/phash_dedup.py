@@ -46,10 +46,8 @@ def plan(
             break
         blocks = cut(b)
         tables = list(itertools.combinations(range(b), b - k))
-        cost = sum(
-            1 + PAIR_COST * num_hashes / 2 ** (min(KEY_BITS, sum(blocks[b][1] for b in t)) + 1)
-            for t in tables
-        )
+        key_bits = [min(KEY_BITS, sum(blocks[i][1] for i in t)) for t in tables]
+        cost = sum(1 + PAIR_COST * num_hashes / 2 ** (bits + 1) for bits in key_bits)
         options.append((cost, b, blocks, tables))
     _, _, blocks, tables = min(options)
     return blocks, tables
@@ -57,12 +55,10 @@ def plan(
 
 def _first_table(blocks: list, tables: list) -> np.ndarray:
     """For each set of differing blocks (a bit mask), the first table whose blocks all agree."""
-    first = np.full(1 << len(blocks), -1, np.int32)
-    for mask in range(len(first)):
-        for t, table in enumerate(tables):
-            if not any(mask >> b & 1 for b in table):
-                first[mask] = t
-                break
+    masks = np.arange(1 << len(blocks))
+    first = np.full(len(masks), -1, np.int32)
+    for t in reversed(range(len(tables))):  # the earliest table written last
+        first[(masks & sum(1 << i for i in tables[t])) == 0] = t
     return first
 
 
@@ -72,15 +68,14 @@ def _table_pairs(
     """Pairs (a < b, indices into `distinct`) within k bits whose first agreeing table is t."""
     # Key (the table's blocks, concatenated, at most KEY_BITS) above the index, in one uint64:
     # a plain sort (no argsort) groups equal keys, indices ascending within a key.
-    widths = [blocks[b][1] for b in tables[t]]
     room = KEY_BITS
     packed = np.arange(len(distinct), dtype=np.uint64)
     part = np.empty_like(packed)
-    for b, width in zip(tables[t], widths, strict=True):
-        shift = blocks[b][0]
-        if room <= 0:
-            break
+    for b in tables[t]:
+        shift, width = blocks[b]
         used = min(width, room)  # the block's top `used` bits
+        if used <= 0:
+            break
         room -= used
         np.right_shift(distinct, np.uint64(shift + width - used), out=part)
         np.bitwise_and(part, np.uint64(2**used - 1), out=part)

@@ -84,9 +84,12 @@ def test_phash_pairs_within_the_distance_and_no_further():
     assert np.flatnonzero(lost).tolist() == [1, 2]
 
 
-@pytest.mark.parametrize(("max_distance", "num_blocks"), [(1, None), (3, None), (4, 6), (4, 7)])
+@pytest.mark.parametrize(
+    ("max_distance", "num_blocks"), [(1, None), (1, 3), (3, None), (4, 6), (4, 7)]
+)
 def test_sorted_prefixes_find_every_near_pair_once(max_distance, num_blocks):
-    # 6 and 7 blocks are the plans of 1M to 100M hashes at k = 4, forced here on 1,500.
+    # 6 and 7 blocks are the plans of 1M to 100M hashes at k = 4, forced here on 1,500; with
+    # k = 1 and 3 blocks a key would be 43 bits: its first 32 are used.
     distinct = np.unique(clustered_hashes(1500, seed=max_distance))
     a, b = phash_dedup.near_pairs(distinct, max_distance, num_blocks=num_blocks)
     expected = np.argwhere(np.triu(within(distinct, max_distance), k=1))
