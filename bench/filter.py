@@ -6,7 +6,10 @@ written by `tasks.metadata.write_table`. Then times the filter stage as a flow r
 (`tasks.filter.filter_metadata`: rules, waterfall, dedup, gallery, sharded output) and the same
 decisions + output in pandas, on the same file in the same run, best of each. Prints one JSON
 object.
+With `--memory-limit 2GB` the stage runs once under that DuckDB memory limit, spilling under
+its data root, over files of 10M rows each: `completed`, `rows_per_s`, peak memory and spill.
 Usage: python bench/filter.py [--rows N] [--repeat R] [--pandas-repeat P] [--cache-dir DIR]
+       [--memory-limit SIZE] [--work-dir DIR]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 GENERATOR_VERSION = 3
+FILE_ROWS = 10_000_000  # rows per metadata file (10M: the one file the bench always had)
 
 
 def _hex(rng: np.random.Generator, n: int, num_bytes: int) -> pa.Array:
@@ -45,7 +49,7 @@ def _hex(rng: np.random.Generator, n: int, num_bytes: int) -> pa.Array:
     return fixed.cast(pa.binary()).cast(pa.string())
 
 
-def laion_like(n: int, seed: int = 0) -> pa.Table:
+def laion_like(n: int, seed: int = 0, first_key: int = 0) -> pa.Table:
     """The normalized sample table of LAION metadata, with LAION's score distributions roughly,
     3% repeated URLs, blank/missing URLs, NaN scores and missing or negative sizes."""
     rng = np.random.default_rng(seed)
@@ -80,7 +84,7 @@ def laion_like(n: int, seed: int = 0) -> pa.Table:
     width[rng.random(n) < 0.001] = -1.0
     return pa.table(
         {
-            "key": pc.utf8_lpad(pc.cast(pa.array(np.arange(n)), pa.string()), 12, "0"),
+            "key": pc.utf8_lpad(pc.cast(pa.array(first_key + np.arange(n)), pa.string()), 12, "0"),
             "source": pa.DictionaryArray.from_arrays(
                 pa.array(np.zeros(n, np.int32)), pa.array(["laion"])
             ).cast(pa.string()),
@@ -97,26 +101,81 @@ def laion_like(n: int, seed: int = 0) -> pa.Table:
     )
 
 
-def cached_file(rows: int, cache_dir: Path) -> tuple[Path, dict]:
-    """The metadata shard of `rows` LAION-like upstream rows, and what ingest dropped."""
+def cached_files(rows: int, cache_dir: Path) -> tuple[list[Path], dict]:
+    """The metadata shards of `rows` LAION-like upstream rows (one file per FILE_ROWS, each its
+    own seed: memory holds one), and what ingest dropped."""
     from tasks import metadata
 
-    path = cache_dir / f"laion-like-{rows}-v{GENERATOR_VERSION}.parquet"
-    info = path.with_suffix(".ingest.json")
-    if not path.exists() or not info.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        raw = laion_like(rows)
-        start = time.perf_counter()
-        table, removed = metadata.drop_missing_urls(raw)
-        record = {
-            "missing_url": removed,
-            "ingest_check_seconds": round(time.perf_counter() - start, 3),
-        }
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        metadata.write_table(table, tmp)  # the stage's own writer: its codec, its row groups
-        os.replace(tmp, path)
-        info.write_text(json.dumps(record))
-    return path, json.loads(info.read_text())
+    paths, record = [], {"missing_url": 0, "ingest_check_seconds": 0.0}
+    for i, first in enumerate(range(0, rows, FILE_ROWS)):
+        n = min(FILE_ROWS, rows - first)
+        name = f"laion-like-{rows}-v{GENERATOR_VERSION}"
+        path = cache_dir / (f"{name}.parquet" if rows <= FILE_ROWS else f"{name}-{i:03d}.parquet")
+        info = path.with_suffix(".ingest.json")
+        if not path.exists() or not info.exists():
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            raw = laion_like(n, seed=i, first_key=first)
+            start = time.perf_counter()
+            table, removed = metadata.drop_missing_urls(raw)
+            part = {"missing_url": removed, "ingest_check_seconds": time.perf_counter() - start}
+            del raw
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            metadata.write_table(table, tmp)  # the stage's own writer: its codec, its row groups
+            os.replace(tmp, path)
+            info.write_text(json.dumps(part))
+        part = json.loads(info.read_text())
+        record = {k: record[k] + part[k] for k in record}
+        paths.append(path)
+    record["ingest_check_seconds"] = round(record["ingest_check_seconds"], 3)
+    return paths, record
+
+
+def spilled_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*") if f.is_file())
+
+
+def run_capped(args, profile, source, paths: list[Path]) -> dict:
+    """The stage once under DuckDB memory limit `args.memory_limit`, spilling under the data
+    root: whether it completed, its speed, its peak memory and the spill folder's peak."""
+    import resource
+    import threading
+
+    from tasks import duck
+    from tasks import filter as filter_stage
+
+    os.environ[duck.MEMORY_ENV] = args.memory_limit
+    work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-filter-", dir=args.work_dir))
+    (work / "laion" / "metadata").mkdir(parents=True)
+    for path in paths:
+        (work / "laion" / "metadata" / path.name).symlink_to(path)
+    spill_dir, peak, done = duck.temp_directory(work), [0], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], spilled_bytes(spill_dir) if spill_dir.exists() else 0)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        stats = filter_stage.filter_metadata(work, "laion", profile, source.samples_per_shard)
+        out = {"completed": True, "kept": stats.num_out, "dropped": stats.dropped}
+        out["duckdb"] = stats.extra["duckdb"]
+    except duck.SpillError as exc:
+        out = {"completed": False, "error": str(exc)}
+    finally:
+        seconds = time.perf_counter() - start
+        done.set()
+        watcher.join()
+        shutil.rmtree(work)
+    return out | {
+        "seconds": round(seconds, 1),
+        "cpu_seconds": round(time.process_time() - cpu, 1),
+        "rows_per_s": round(args.rows / seconds),
+        "memory_limit": args.memory_limit,
+        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "spill_peak_gb": round(peak[0] / 1e9, 2),
+    }
 
 
 def pandas_filter(path: Path, profile, out_dir: Path, samples_per_shard: int) -> dict:
@@ -201,16 +260,41 @@ def main() -> None:
     # still varied 13.9-17.1 s, which moved the ratio by 20%.
     parser.add_argument("--pandas-repeat", type=int, default=3)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/sdpipe/bench")
+    # A DuckDB memory limit ("2GB"): the stage once, spilling, no pandas (it holds every row).
+    parser.add_argument("--memory-limit", default=None)
+    parser.add_argument("--work-dir", type=Path, default=None, help="the data root's disk")
+    # `loose`: sizes and URL dedup only, most rows kept: the passing rows far exceed memory.
+    parser.add_argument("--profile", default=None, help="a catalog profile, or loose")
     args = parser.parse_args()
-    from catalog import load_catalog
+    from catalog import FilterProfile, load_catalog
     from tasks import filter as filter_stage
 
     catalog = load_catalog()
     source = catalog.source("laion")
-    profile = catalog.profile(source.profile)  # phase-1's dataset laion-broad
+    if args.profile == "loose":
+        profile = FilterProfile(name="loose", min_side=256, dedup=("url",))
+    else:  # default phase 1's dataset laion-broad
+        profile = catalog.profile(args.profile or source.profile)
     start = time.perf_counter()
-    path, ingest = cached_file(args.rows, args.cache_dir)
+    paths, ingest = cached_files(args.rows, args.cache_dir)
     generate_s = time.perf_counter() - start
+    if args.memory_limit:
+        load_before = round(os.getloadavg()[0], 2)
+        out = run_capped(args, profile, source, paths)
+        files_gb = round(sum(p.stat().st_size for p in paths) / 1e9, 2)
+        print(
+            json.dumps(
+                {"bench": "filter-capped", "rows": args.rows, "profile": profile.name, **out}
+                | {"files": len(paths), "files_gb": files_gb, "goals": {"completed": True}}
+                | {"generate_seconds": round(generate_s, 1), "load_avg_1m_before": load_before}
+                | {"machine": f"{platform.machine()} {os.cpu_count()} cores"}
+                | {"load_avg_1m": round(os.getloadavg()[0], 2)}
+            )
+        )
+        return
+    if len(paths) > 1:
+        raise SystemExit(f"over {FILE_ROWS} rows pandas cannot keep up here: add --memory-limit")
+    path = paths[0]
 
     work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-filter-"))
     (work / "laion" / "metadata").mkdir(parents=True)

@@ -46,7 +46,8 @@ class FilterProfile:
 
     Score thresholds apply to the metadata's scores or, where the metadata has none, to those
     the score stage computed from the pixels. Duplicates are judged among the rows that pass
-    every other rule, level by level in the order url, sha256, phash, semantic.
+    every other rule, level by level in the order url, sha256, phash, semantic; a near or
+    semantic duplicate is dropped only as a copy of a row that is kept (`tasks.survivors`).
     """
 
     name: str

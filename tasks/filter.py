@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import CatalogError, FilterProfile
-from tasks import dedup, waterfall
-from tasks.shards import ShardStats, atomic_path, run_shard, shard_name, stats_path
+from tasks import dedup, duck, waterfall
+from tasks.duck import connect, to_arrow  # noqa: F401 (views use them from here)
+from tasks.shards import ShardStats, atomic_path, run_shard, stats_path
 from tasks.waterfall import MAX_SAMPLES, Waterfall
 
 ALL = "all"  # the shard name of a stage that runs as one unit over the whole source
@@ -211,30 +211,8 @@ def _check_columns(
         )
 
 
-def connect() -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection for judging rows.
-
-    Parquet writers leave NaN out of a column's min/max statistics, and DuckDB's statistics
-    propagation then folds `score <= 10` (and `isnan(score)`) to constants, passing NaN scores;
-    that optimizer is off here. The cost measured on 10M rows: none.
-
-    The allocator returns freed memory to the system from a background thread rather than
-    from the scan's threads (10M rows, alternating side by side, three runs of 5-10 each: best
-    1.52-1.57 s against 1.60-1.66 s, medians 1.62-1.66 s against 1.69-1.74 s).
-    """
-    con = duckdb.connect()
-    con.sql("SET disabled_optimizers = 'statistics_propagation'")
-    con.sql("SET allocator_background_threads = true")
-    return con
-
-
 def _scalar(con: duckdb.DuckDBPyConnection, sql: str):
     return con.sql(sql).fetchall()[0][0]
-
-
-def to_arrow(relation: duckdb.DuckDBPyRelation) -> pa.Table:
-    table = relation.arrow()
-    return table.read_all() if hasattr(table, "read_all") else table  # newer DuckDB: a reader
 
 
 def _failed(rule_list: list[Rule]) -> str:
@@ -276,9 +254,11 @@ def judge(
     *,
     label: str,
     scores_dir: Path | None = None,
+    device: str | None = None,
 ) -> Waterfall:
     """Judge the relation `rows`: leaves table `passing` (rows passing every rule, with `reason`
-    NULL for the kept ones and `duplicate_<level>` for the rest) and returns the waterfall."""
+    NULL for the kept ones and `duplicate_<level>` for the rest) and returns the waterfall.
+    `device`: where semantic dedup computes (a GPU the caller holds a slot of; default CPU)."""
     available = [r[0] for r in con.sql("DESCRIBE rows").fetchall() if r[0] not in POSITION]
     rule_list = rules(profile, stage=stage, available=set(available))
     level_list = levels(profile, stage)
@@ -300,7 +280,8 @@ def judge(
         if num_passing != num_in - sum(c[2] for c in counts):
             raise AssertionError(f"rules counted {num_in} - {counts} but {num_passing} rows pass")
         for level in level_list:
-            counts.append((f"duplicate_{level}", *dedup.mark(con, profile, level, scores_dir)))
+            marked = dedup.mark(con, profile, level, scores_dir, device=device)
+            counts.append((f"duplicate_{level}", *marked))
         samples = sampling.result()
     samples |= _duplicate_samples(con, level_list, pixels=pixels)
     return waterfall.build(
@@ -405,19 +386,6 @@ def empty_rows(con: duckdb.DuckDBPyConnection, profile: FilterProfile) -> None:
     con.sql(f"CREATE VIEW rows AS SELECT {select} WHERE false")
 
 
-def _read_files(files: list[Path]) -> str:
-    """SQL reading `files` as one relation, with where each row was read (`POSITION`).
-
-    Columns are matched by name across files only when their schemas differ: DuckDB's
-    `union_by_name` reads every file's footer each time a query binds, 0.25-0.3 s per query
-    over 4,000 shards, where one pass over the schemas here costs 0.4 s once.
-    """
-    schemas = {pq.read_schema(f).remove_metadata() for f in files}
-    union = "union_by_name=true, " if len(schemas) > 1 else ""
-    paths = [str(f) for f in files]
-    return f"read_parquet({paths!r}, {union}filename=true, file_row_number=true)"
-
-
 def pixel_rows(
     con: duckdb.DuckDBPyConnection,
     root: Path,
@@ -437,7 +405,8 @@ def pixel_rows(
     if not tables or (selected_only and not selected):
         empty_rows(con, profile)
         return
-    con.sql(f"CREATE VIEW samples AS SELECT * FROM {_read_files(tables)} WHERE status = 'success'")
+    samples = duck.read_files(tables)
+    con.sql(f"CREATE VIEW samples AS SELECT * FROM {samples} WHERE status = 'success'")
     query = "SELECT * FROM samples"
     if scored:
         score_files = sorted((root / source / "scores").glob("[0-9]*.parquet"))
@@ -463,25 +432,6 @@ def pixel_rows(
         keys = [str(p) for p in selected]
         query += f" WHERE key IN (SELECT key FROM read_parquet({keys!r}))"
     con.sql(f"CREATE VIEW rows AS {query}")
-
-
-def _write_shards(kept: pa.Table, out_dir: Path, samples_per_shard: int) -> int:
-    """Split `kept` (ordered by key) into NNNNN.parquet shards; returns the shard count."""
-    for old in out_dir.glob("[0-9]*.parquet"):
-        old.unlink()
-    starts = range(0, kept.num_rows, samples_per_shard)
-    # Keys, URLs and captions are (nearly) unique: a dictionary attempt on them is wasted work.
-    dictionary = [c for c in ("source",) if c in kept.column_names]
-
-    def write(index: int) -> None:
-        with atomic_path(out_dir / f"{shard_name(index)}.parquet") as tmp:
-            part = kept.slice(starts[index], samples_per_shard)
-            pq.write_table(part, tmp, use_dictionary=dictionary)
-
-    # Encoding and compressing a shard holds no GIL: one writer per core.
-    with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1) or 1) as pool:
-        list(pool.map(write, range(len(starts))))
-    return len(starts)
 
 
 def profile_settings(profile: FilterProfile) -> dict:
@@ -534,24 +484,28 @@ def filter_metadata(
     out_dir = root / source / "filtered"
 
     def work(stats: ShardStats) -> None:
-        con = connect()
+        con = connect(root)
         files = sorted((root / source / "metadata").glob("*.parquet"))
+        spill = duck.spill_plan(root, files)
         if files:
-            con.sql(f"CREATE VIEW rows AS SELECT * FROM {_read_files(files)}")
+            con.sql(f"CREATE VIEW rows AS SELECT * FROM {duck.read_files(files)}")
         else:
             empty_rows(con, profile)
-        wf = judge(con, profile, "metadata", label="filter")
-        kept = to_arrow(
-            con.sql(
+        try:
+            wf = judge(con, profile, "metadata", label="filter")
+            kept = con.sql(
                 "SELECT * EXCLUDE (filename, file_row_number, reason) FROM passing "
                 "WHERE reason IS NULL ORDER BY key"
             )
-        )
+            num_shards = duck.write_shards(kept, out_dir, samples_per_shard)
+        except (duckdb.OutOfMemoryException, duckdb.IOException) as exc:
+            raise spill.error(exc) from exc
         record(stats, wf)
         stats.extra = {
-            "num_shards": _write_shards(kept, out_dir, samples_per_shard),
+            "num_shards": num_shards,
             "profile": profile.name,
             "profile_settings": profile_settings(profile),
+            "duckdb": spill.record(),
         }
         wf.write(out_dir / "waterfall.json", out_dir / "gallery.html")
 
@@ -576,10 +530,11 @@ def _runs(values: pa.ChunkedArray) -> dict[str, tuple[int, int]]:
 
 
 def select_pixels(
-    root: Path, source: str, profile: FilterProfile, *, scored: bool = False
+    root: Path, source: str, profile: FilterProfile, *, scored: bool = False, device=None
 ) -> ShardStats:
     """The profile over the fetched pixels (actual sizes; with `scored`, the score stage's
-    scores, pHash and embeddings) and dedup across the whole source.
+    scores, pHash and embeddings) and dedup across the whole source; semantic dedup runs on
+    `device` (a GPU whose pool slot the caller holds; default CPU).
 
     Reads every `shards/NNNNN.parquet` (status `success` rows) and writes, per shard, the
     kept keys and captions to `selected/NNNNN.parquet`, plus the waterfall and gallery.
@@ -588,7 +543,7 @@ def select_pixels(
 
     def work(stats: ShardStats) -> None:
         tables = sorted((root / source / "shards").glob("[0-9]*.parquet"))
-        con = connect()
+        con = connect(root)
         pixel_rows(con, root, source, profile, scored=scored)
         wf = judge(
             con,
@@ -596,6 +551,7 @@ def select_pixels(
             "pixels",
             label="filter-pixels",
             scores_dir=root / source / "scores" if scored else None,
+            device=device,
         )
         kept = to_arrow(
             con.sql(

@@ -324,19 +324,39 @@ def read_origins(root: Path, adapter: Adapter, origins: list[str]) -> dict[str, 
 
 
 _READERS: dict[tuple[str, str, str], set[str]] = {}  # (root, source, archive) -> shards
+# (root, source) -> (the index record's version, archive -> the shards with an origin in it)
+_ARCHIVE_SHARDS: dict[tuple[str, str], tuple[tuple, dict[str, set[str]]]] = {}
+
+
+def _archive_shards(root: Path, source: str) -> dict[str, set[str]]:
+    """archive -> the metadata shards that read from it. Read once per index run (keyed by its
+    record): a check that reads every shard each time an archive is released reads shards^2."""
+    record = stats_path(root, source, "metadata", ALL)
+    stat = record.stat() if record.exists() else None
+    version = (stat.st_ino, stat.st_mtime_ns, stat.st_size) if stat else None
+    cached = _ARCHIVE_SHARDS.get((str(root), source))
+    if version is not None and cached is not None and cached[0] == version:
+        return cached[1]
+    readers: dict[str, set[str]] = {}
+    for path in sorted((root / source / "metadata").glob("[0-9]*.parquet")):
+        origins = pq.read_table(path, columns=["origin"])["origin"]
+        inside = pc.filter(origins, pc.match_substring(origins, SEP))
+        archives = pc.list_element(pc.split_pattern(inside, SEP, max_splits=1), 0)
+        for archive in pc.unique(archives).to_pylist():
+            readers.setdefault(archive, set()).add(path.stem)
+    if version is not None:
+        _ARCHIVE_SHARDS[(str(root), source)] = (version, readers)
+    return readers
 
 
 def _needed_later(root: Path, source: str, archive: str, shard: str) -> bool:
     """Whether a shard of `source` that has not read `archive` (in this process) and is not
     done will read it. Called with _RAW_LOCK held."""
     done_reading = _READERS.get((str(root), source, archive), set()) | {shard}
-    for path in (root / source / "metadata").glob("[0-9]*.parquet"):
-        if path.stem in done_reading or stats_path(root, source, "shards", path.stem).exists():
-            continue
-        origins = pq.read_table(path, columns=["origin"])["origin"]
-        if pc.any(pc.starts_with(origins, f"{archive}{SEP}")).as_py():
-            return True
-    return False
+    return any(
+        other not in done_reading and not stats_path(root, source, "shards", other).exists()
+        for other in _archive_shards(root, source).get(archive, ())
+    )
 
 
 # ---- repack -----------------------------------------------------------------------------------

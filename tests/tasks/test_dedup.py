@@ -1,6 +1,7 @@
-"""Dedup: exact (sha256), near (pHash, banded) and semantic (embedding) duplicates are found
-and the stated survivor is kept: exact copies keep the smallest key, near and semantic copies
-keep the largest image, then the higher aesthetic, then the smallest key."""
+"""Dedup: exact (sha256), near (pHash) and semantic (embedding) duplicates are found and the
+stated survivor is kept: exact copies keep the smallest key, near and semantic copies keep the
+largest image, then the higher aesthetic, then the smallest key. Near and semantic levels drop
+a row only as a copy of a row that survives (greedy by rank), checked against all pairs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from PIL import Image
 
 from catalog import FilterProfile
-from tasks import dedup, score
+from tasks import dedup, phash_dedup, score
 from tasks import filter as filter_stage
 from tasks.waterfall import Waterfall
 
@@ -24,32 +25,96 @@ def unit(rng: np.random.Generator, dim: int = 64) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
+def greedy_over_all_pairs(duplicate: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """The survivor rule, by definition: best rank first, a row is dropped when a duplicate of
+    it already survived. `duplicate` bool [N, N]."""
+    survivors: list[int] = []
+    lost = np.zeros(len(rank), bool)
+    for i in np.argsort(rank):
+        if survivors and duplicate[i, survivors].any():
+            lost[i] = True
+        else:
+            survivors.append(i)
+    return lost
+
+
+def assert_one_survivor_per_group(duplicate: np.ndarray, rank: np.ndarray, lost: np.ndarray):
+    """No two survivors are duplicates; every dropped row is a copy of a better survivor."""
+    duplicate = duplicate.copy()
+    np.fill_diagonal(duplicate, False)
+    kept = ~lost
+    assert not duplicate[np.ix_(kept, kept)].any()
+    better_survivor = duplicate & kept[None, :] & (rank[None, :] < rank[:, None])
+    assert better_survivor[lost].any(axis=1).all()
+
+
+def flip(rng: np.random.Generator, h, n: int, positions: int = 64) -> np.uint64:
+    """`h` with `n` distinct bits flipped among bits 0..positions-1."""
+    bits = rng.choice(positions, n, replace=False).astype(np.uint64)
+    return np.uint64(h) ^ (np.bitwise_or.reduce(np.uint64(1) << bits) if n else np.uint64(0))
+
+
+def clustered_hashes(n: int, seed: int) -> np.ndarray:
+    """Uniform hashes, groups of near copies 0-4 bits from a template, and a near-blank ball:
+    0-3 bits set among 12 positions (dense: most pairs in it are near)."""
+    rng = np.random.default_rng(seed)
+    hashes = rng.integers(0, 2**64, n, dtype=np.uint64)
+    templates = rng.integers(0, 2**64, n // 40, dtype=np.uint64)
+    for i in range(n // 4):  # a quarter are near copies of a template
+        hashes[i] = flip(rng, templates[rng.integers(len(templates))], rng.integers(0, 5))
+    noisy = rng.choice(64, 12, replace=False).astype(np.uint64)
+    for i in range(n // 4, n // 4 + n // 10):  # a tenth near-blank
+        bits = noisy[rng.choice(12, rng.integers(0, 4), replace=False)]
+        hashes[i] = np.bitwise_or.reduce(np.uint64(1) << bits) if bits.size else 0
+    return hashes
+
+
+def within(hashes: np.ndarray, k: int) -> np.ndarray:
+    return np.bitwise_count(hashes[:, None] ^ hashes[None, :]) <= k
+
+
 def test_phash_pairs_within_the_distance_and_no_further():
     rng = np.random.default_rng(0)
     hashes = rng.integers(0, 2**64, 2000, dtype=np.uint64)
     flips = {1: 1, 2: 4, 3: 5}  # row -> bits flipped from row 0
     for row, n in flips.items():
-        bits = rng.choice(64, n, replace=False)
-        hashes[row] = hashes[0] ^ np.bitwise_or.reduce(np.uint64(1) << bits.astype(np.uint64))
+        hashes[row] = flip(rng, hashes[0], n)
     lost = dedup.phash_losers(hashes, np.arange(2000), max_distance=4)
     # Rows 1 (1 bit) and 2 (4 bits) are near row 0, which ranks first; row 3 (5 bits) is not.
     assert np.flatnonzero(lost).tolist() == [1, 2]
 
 
-@pytest.mark.parametrize("max_distance", [0, 3, 6])
-def test_banded_join_finds_what_comparing_all_pairs_finds(max_distance):
-    rng = np.random.default_rng(max_distance)
-    bases = rng.integers(0, 2**64, 150, dtype=np.uint64)
-    hashes = bases[rng.integers(0, 150, 3000)]
-    for i in range(3000):  # clusters of copies 0-8 bits apart: every distance occurs
-        bits = rng.choice(64, rng.integers(0, 5), replace=False).astype(np.uint64)
-        hashes[i] ^= np.bitwise_or.reduce(np.uint64(1) << bits) if bits.size else 0
-    rank = rng.permutation(3000)
-    distance = np.bitwise_count(hashes[:, None] ^ hashes[None, :])
-    better_copy = (distance <= max_distance) & (rank[None, :] < rank[:, None])
-    expected = better_copy.any(axis=1)
+@pytest.mark.parametrize(
+    ("max_distance", "num_blocks"), [(1, None), (1, 3), (3, None), (4, 6), (4, 7)]
+)
+def test_sorted_prefixes_find_every_near_pair_once(max_distance, num_blocks):
+    # 6 and 7 blocks are the plans of 1M to 100M hashes at k = 4, forced here on 1,500; with
+    # k = 1 and 3 blocks a key would be 43 bits: its first 32 are used.
+    distinct = np.unique(clustered_hashes(1500, seed=max_distance))
+    a, b = phash_dedup.near_pairs(distinct, max_distance, num_blocks=num_blocks)
+    expected = np.argwhere(np.triu(within(distinct, max_distance), k=1))
+    assert len(expected) > 100
+    found = sorted(zip(a.tolist(), b.tolist(), strict=True))
+    assert found == sorted(map(tuple, expected.tolist()))  # every pair, each once
+
+
+@pytest.mark.parametrize("max_distance", [0, 3, 4, 6])
+def test_phash_survivors_are_the_greedy_rule_over_all_pairs(max_distance):
+    hashes = clustered_hashes(2000, seed=10 + max_distance)
+    rank = np.random.default_rng(max_distance).permutation(2000)
+    near = within(hashes, max_distance)
+    expected = greedy_over_all_pairs(near, rank)
     assert expected.sum() > 100
-    np.testing.assert_array_equal(dedup.phash_losers(hashes, rank, max_distance), expected)
+    lost = dedup.phash_losers(hashes, rank, max_distance)
+    np.testing.assert_array_equal(lost, expected)
+    assert_one_survivor_per_group(near, rank, lost)
+    # A subset (the rows earlier levels kept) is judged among itself, from the same pairs.
+    include = np.random.default_rng(1).random(2000) < 0.6
+    sub = np.flatnonzero(include)
+    expected_sub = np.zeros(2000, bool)
+    expected_sub[sub] = greedy_over_all_pairs(near[np.ix_(sub, sub)], rank[sub])
+    index = phash_dedup.NearHashes(hashes, max_distance)
+    np.testing.assert_array_equal(index.losers(rank, include), expected_sub)
 
 
 def test_phash_survivor_is_the_best_ranked_copy():
@@ -65,25 +130,13 @@ def test_many_identical_hashes_are_one_group():
     assert np.flatnonzero(~lost).tolist() == [19_999]
 
 
-def test_a_row_whose_better_copy_is_itself_dropped_is_still_dropped():
-    # a~b and b~c but a!~c: b has the better a, c has the better b. No two survivors are
-    # duplicates and every dropped row has a better copy: the rule is not transitive closure.
-    a = np.uint64(0)
-    b = np.uint64(0b1111)  # 4 bits from a
-    c = np.uint64(0b11111111)  # 4 bits from b, 8 from a
-    lost = dedup.phash_losers(np.array([a, b, c]), np.array([0, 1, 2]), max_distance=4)
-    assert lost.tolist() == [False, True, True]
-
-
-@pytest.mark.parametrize("block", [3, 2048])
-def test_semantic_duplicates_across_block_boundaries(block):
-    rng = np.random.default_rng(0)
-    emb = np.stack([unit(rng) for _ in range(10)])
-    emb[7] = emb[1] + 0.01 * unit(rng)  # near-identical, in another block when block=3
-    emb[9] = emb[1] + 0.01 * unit(rng)
-    rank = np.arange(10)[::-1].copy()  # row 9 ranks best
-    lost = dedup.semantic_losers(emb.astype(np.float16), rank, 0.95, block=block)
-    assert np.flatnonzero(lost).tolist() == [1, 7]
+def test_a_chain_keeps_one_survivor_per_group():
+    # a~b, b~c, c~d and nothing else: a survives and b is its copy; c's only better duplicate
+    # (b) was dropped, so c survives and d is its copy. Two groups, {a, b} and {c, d}, one
+    # survivor each: a row is never dropped as the copy of a dropped row.
+    chain = np.array([0, 0b1111, 0b11111111, 0b111111111111], np.uint64)  # 4 bits apart
+    lost = dedup.phash_losers(chain, np.arange(4), max_distance=4)
+    assert lost.tolist() == [False, True, False, True]
 
 
 def planted_source(fetched, scene, tmp_path):

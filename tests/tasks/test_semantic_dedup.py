@@ -1,0 +1,163 @@
+"""Semantic dedup by clusters (SemDeDup) makes the decisions of the survivor rule over all
+pairs on planted duplicates: copies, chains of copies and a blob of near-identical rows; its
+low-precision screen never decides a pair; embeddings stream from the score shards."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tasks import dedup, semantic_dedup
+from tasks.semantic_dedup import Parts, SemanticIndex
+from tests.tasks.test_dedup import assert_one_survivor_per_group, greedy_over_all_pairs
+
+THRESHOLD = 0.95
+
+
+def normalized(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def planted(n: int, dim: int = 48, seed: int = 0) -> np.ndarray:
+    """Rows around 12 topics; 8% near copies of an earlier row (cosine ~0.96-0.999), some of
+    them copies of copies (chains), 3% near misses (~0.90-0.94) and a blob of 60 rows within
+    ~0.98 of one point. fp16, as the score stage stores them."""
+    rng = np.random.default_rng(seed)
+    topics = normalized(rng.normal(size=(12, dim)))
+    x = 0.8 * topics[rng.integers(0, 12, n)] + 0.6 * normalized(rng.normal(size=(n, dim)))
+    x = normalized(x)
+    noise = normalized(rng.normal(size=(n, dim)))
+    for i in rng.choice(np.arange(1, n), n // 12, replace=False):  # near copies, chains too
+        x[i] = normalized(x[rng.integers(0, i)] + rng.uniform(0.03, 0.28) * noise[i])
+    for i in rng.choice(np.arange(1, n), n // 30, replace=False):  # near misses
+        x[i] = normalized(x[rng.integers(0, i)] + rng.uniform(0.38, 0.48) * noise[i])
+    blob = rng.choice(n, 60, replace=False)
+    x[blob] = normalized(x[blob[0]] + 0.1 * noise[blob])
+    return (x * rng.uniform(0.5, 2.0, (n, 1))).astype(np.float16)  # any norm: cosine
+
+
+def all_pairs(x: np.ndarray, threshold: float = THRESHOLD) -> np.ndarray:
+    unit = normalized(x.astype(np.float64))
+    return unit @ unit.T >= threshold
+
+
+@pytest.mark.parametrize(("num_clusters", "max_visits"), [(1, 1), (12, 11), (12, 1)])
+def test_clusters_make_the_decisions_of_all_pairs(num_clusters, max_visits):
+    # With every cluster in reach visited the clustering cannot lose a pair; with one visit
+    # (the default, SemDeDup visits none) these planted duplicates are all still found.
+    x = planted(3000)
+    rank = np.random.default_rng(1).permutation(3000)
+    duplicate = all_pairs(x)
+    expected = greedy_over_all_pairs(duplicate, rank)
+    assert expected.sum() > 250
+    index = SemanticIndex(
+        Parts.from_array(x, part_rows=700),
+        rank,
+        THRESHOLD,
+        num_clusters=num_clusters,
+        max_visits=max_visits,
+    )
+    lost = index.losers()
+    np.testing.assert_array_equal(lost, expected)
+    assert_one_survivor_per_group(duplicate, rank, lost)
+    assert index.rounds >= 2  # chains settle over rounds
+    if num_clusters > 1:
+        assert index.num_visits > 0 and index.largest_cluster < 3000
+    # The rows earlier levels kept are judged among themselves, from the same layout.
+    include = np.random.default_rng(2).random(3000) < 0.7
+    sub = np.flatnonzero(include)
+    expected_sub = np.zeros(3000, bool)
+    expected_sub[sub] = greedy_over_all_pairs(duplicate[np.ix_(sub, sub)], rank[sub])
+    np.testing.assert_array_equal(index.losers(include), expected_sub)
+
+
+def test_blocks_boundaries_change_nothing(monkeypatch):
+    x = planted(400, seed=3)
+    rank = np.random.default_rng(4).permutation(400)
+    expected = greedy_over_all_pairs(all_pairs(x), rank)
+    monkeypatch.setattr(semantic_dedup, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(semantic_dedup, "REF_BLOCK", 5)
+    np.testing.assert_array_equal(dedup.semantic_losers(x, rank, THRESHOLD), expected)
+
+
+def test_pairs_near_the_threshold_are_decided_in_float64():
+    # Pairs whose cosines straddle the threshold by 1e-5, far inside the bf16/fp16 screen's
+    # error: every one is decided as float64 decides it.
+    rng = np.random.default_rng(5)
+    base = normalized(rng.normal(size=(40, 64)))
+    copies = normalized(base + 0.33 * normalized(rng.normal(size=(40, 64))))
+    x = np.concatenate([base, copies]).astype(np.float16)
+    unit = normalized(x.astype(np.float64))
+    sims = np.sum(unit[:40] * unit[40:], axis=1)
+    threshold = float(np.median(sims))
+    close = np.abs(sims - threshold) < 0.005
+    assert close.sum() >= 4
+    lost = dedup.semantic_losers(x, np.arange(80), threshold)
+    np.testing.assert_array_equal(lost[40:], sims >= threshold)
+
+
+def test_embeddings_stream_from_score_shards_in_rank_order(tmp_path):
+    # Keys spread over three shards in another order than their rank: each row gets its own
+    # embedding, and a key scored twice is read once.
+    rng = np.random.default_rng(6)
+    keys = [f"k{i:03d}" for i in range(30)]
+    emb = {k: rng.normal(size=8).astype(np.float16) for k in keys}
+    scores = tmp_path / "scores"
+    scores.mkdir()
+    for shard, chunk in enumerate([keys[20:], keys[:12], keys[12:20] + keys[:2]]):
+        values = np.stack([emb[k] for k in chunk])
+        table = pa.table(
+            {
+                "key": chunk,
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), 8),
+            }
+        )
+        pq.write_table(table, scores / f"{shard:05d}.parquet")
+    ranked = list(rng.permutation(keys))
+    con = duckdb.connect()
+    con.register("r", pa.table({"value": ranked, "pos": np.arange(30)}))
+    con.sql("CREATE TABLE ranked AS SELECT * FROM r")
+    parts = dedup.score_parts(con, scores, 30)
+    assert parts.dim == 8 and len(parts.readers) == 3
+    got = np.zeros((30, 8), np.float16)
+    seen = np.zeros(30, int)
+    for read in parts.readers:
+        pos, values = read()
+        got[pos] = values
+        seen[pos] += 1
+    assert (seen == 1).all()
+    np.testing.assert_array_equal(got, np.stack([emb[k] for k in ranked]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_and_cpu_make_the_same_decisions():
+    x = planted(3000, seed=7)
+    rank = np.random.default_rng(8).permutation(3000)
+    cpu = dedup.semantic_losers(x, rank, THRESHOLD, device="cpu", num_clusters=12)
+    gpu = dedup.semantic_losers(x, rank, THRESHOLD, device="cuda", num_clusters=12)
+    np.testing.assert_array_equal(gpu, cpu)
+
+
+def test_a_killed_runs_embeddings_are_removed_by_the_next_run(tmp_path):
+    host = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its pid is free now
+    stale = tmp_path / f".semantic.tmp-{host}-{gone.pid}-abc"
+    running = tmp_path / f".semantic.tmp-{host}-{os.getpid()}-def"
+    for folder in (stale, running):
+        folder.mkdir()
+        (folder / "semantic-slots.npy").write_bytes(b"0" * 100)
+    with dedup.semantic_workdir(tmp_path) as work:
+        assert Path(work).parent == tmp_path and Path(work).is_dir()
+        assert not stale.exists() and running.exists()
+    assert not Path(work).exists()
