@@ -18,6 +18,7 @@ from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
+from flows import pools
 from flows.stages import DISPLAY, StageFailed, publish_waterfall, run_stage
 from tasks import (
     adapters,
@@ -113,7 +114,7 @@ def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = 
         )
     stage(
         "selected",
-        {filter.ALL: functools.partial(filter.select_pixels, root, name, profile, scored=scored)},
+        {filter.ALL: functools.partial(select_pixels, root, name, profile, scored=scored)},
         needs_all=True,
         inputs={filter.ALL: filter.profile_fingerprint(profile)},
     )
@@ -148,6 +149,16 @@ def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = 
     )
     if failures:
         raise StageFailed(_failed(failures))
+
+
+def select_pixels(root: Path, name: str, profile, *, scored: bool):
+    """filter-pixels; semantic dedup computes on a device of the node's GPU pool (CPU without
+    GPUs), holding its slot, so it never shares a GPU with score, encode or a training."""
+    if "semantic" not in profile.dedup:
+        return filter.select_pixels(root, name, profile, scored=scored)
+    with pools.gpu_device() as device:
+        on = str(device) if device.type == "cuda" else None
+        return filter.select_pixels(root, name, profile, scored=scored, device=on)
 
 
 def url_stages(root: Path, src: Source, profile, stage) -> tuple[list[str], dict]:

@@ -261,9 +261,7 @@ def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) 
         table, removed = drop_missing_urls(table)
         if removed:
             stats.drop("missing_url", removed)
-        table, removed_by = drop_unfetchable(
-            table, allow_private_hosts=source.allow_private_hosts
-        )
+        table, removed_by = drop_unfetchable(table, allow_private_hosts=source.allow_private_hosts)
         for reason, n in removed_by.items():
             stats.drop(reason, n)
         blocked = blocklist(source)

@@ -56,7 +56,7 @@ def build_view(root: Path, catalog: Catalog, dataset: str) -> ShardStats:
     paths = view_paths(root, ds.source, dataset)
 
     def work(stats: ShardStats) -> None:
-        con = filter_stage.connect()
+        con = filter_stage.connect(root)
         filter_stage.pixel_rows(con, root, ds.source, profile, scored=scored, selected_only=True)
         wf = filter_stage.judge(
             con,
