@@ -145,10 +145,12 @@ def write_checkpoint(
     config: TrainConfig,
     trainer: dict | None = None,
     ema_step: int = 0,
+    extra: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write `directory` whole: built under a hidden temporary name, then swapped into place.
 
-    Refuses non-finite weights. The files are written concurrently (the large ones release
+    `extra`: more weights files by name (a fine-tune's trained text encoder). Refuses
+    non-finite weights. The files are written concurrently (the large ones release
     the GIL): at SD1.5 size that is what a cancel has to fit in (docs/benchmarks.md).
     """
     check_finite(unet, "live")
@@ -163,6 +165,9 @@ def write_checkpoint(
         "config.json": config.to_json,
         EMA_FILE: lambda p: p.write_text(json.dumps({"ema_step": ema_step})),
     }
+    for name, state in (extra or {}).items():
+        check_finite(state, name)
+        files[name] = lambda p, s=state: save_file(cpu_state(s), str(p))
     if trainer is not None:
         tensors: dict[str, torch.Tensor] = {}
         encoded = encode_state(trainer, tensors)

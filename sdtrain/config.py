@@ -25,6 +25,24 @@ DEFAULT_PROMPTS = (
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 PredictionType = Literal["epsilon", "v_prediction"]
+LRSchedule = Literal["cosine", "constant"]
+
+
+@dataclass(kw_only=True, slots=True)
+class FinetuneSettings:
+    """What makes a run a fine-tune (sdtrain/finetune.py); a phase's run has none.
+
+    `phase_dir` of such a run is the fine-tune's data folder (tasks/finetune.py writes it).
+    """
+
+    mode: Literal["dreambooth", "inpaint"]
+    base_unet: str = ""  # UNet weights to start from (a run's EMA file); "": the model's own
+    prior_loss_weight: float = 0.0  # dreambooth: the class half's weight; 0: no class images
+    train_text_encoder: bool = False
+    inpaint_channels: int = 4  # 4: seed 000's unconditional UNet; 9: an inpainting UNet
+    lora_rank: int = 0  # 0: every weight trains; else peft LoRA adapters, the base frozen
+    lora_alpha: float = 0.0
+    num_demo_images: int = 4  # inpaint: images of the demo grid
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,6 +63,7 @@ class TrainConfig:
     max_steps: int | None = None  # caps the optimizer steps that the epochs would give
     batch_size: int  # per rank
     grad_accum: int = 1
+    lr_schedule: LRSchedule = "cosine"  # cosine: warmup, then down to lr x 1e-2; constant: warmup
 
     # Optimizer: fused AdamW, clipped.
     adam_betas: tuple[float, float] = (0.9, 0.999)
@@ -99,6 +118,8 @@ class TrainConfig:
     guidance_scale: float = 7.5
     wandb_project: str = ""  # log to Weights & Biases too (needs `pip install wandb`)
 
+    finetune: FinetuneSettings | None = None  # a fine-tune's mode; None: a curriculum phase
+
     def to_json(self, path: str | Path) -> None:
         with atomic_path(Path(path)) as tmp:
             tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -106,6 +127,8 @@ class TrainConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> TrainConfig:
         fields = json.loads(Path(path).read_text())
+        if fields.get("finetune") is not None:
+            fields["finetune"] = FinetuneSettings(**fields["finetune"])
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 

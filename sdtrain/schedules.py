@@ -10,7 +10,13 @@ from __future__ import annotations
 import math
 
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
+from torch.optim.lr_scheduler import (
+    ConstantLR,
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    SequentialLR,
+)
 
 MIN_LR_RATIO = 1e-2  # the warmup starts at, and the cosine ends at, lr x this
 
@@ -23,14 +29,22 @@ def total_optimizer_steps(
     return total if max_steps is None else min(total, max_steps)
 
 
-def build_lr_schedule(optimizer: Optimizer, *, warmup_steps: int, total_steps: int) -> LRScheduler:
-    """Linear warmup from lr x 1e-2, then cosine down to lr x 1e-2 at `total_steps`."""
-    eta_min = optimizer.param_groups[0]["lr"] * MIN_LR_RATIO
-    cosine = CosineAnnealingLR(optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=eta_min)
+def build_lr_schedule(
+    optimizer: Optimizer, *, warmup_steps: int, total_steps: int, kind: str = "cosine"
+) -> LRScheduler:
+    """Linear warmup from lr x 1e-2, then cosine down to lr x 1e-2 at `total_steps`; or, for
+    `constant` (fine-tunes, as DreamBooth trains), the warmup and then lr throughout."""
+    if kind == "constant":
+        after = ConstantLR(optimizer, factor=1.0, total_iters=0)
+    else:
+        eta_min = optimizer.param_groups[0]["lr"] * MIN_LR_RATIO
+        after = CosineAnnealingLR(
+            optimizer, T_max=max(1, total_steps - warmup_steps), eta_min=eta_min
+        )
     if warmup_steps == 0:
-        return cosine
+        return after
     warmup = LinearLR(optimizer, start_factor=MIN_LR_RATIO, total_iters=warmup_steps)
-    return SequentialLR(optimizer, [warmup, cosine], milestones=[warmup_steps])
+    return SequentialLR(optimizer, [warmup, after], milestones=[warmup_steps])
 
 
 def ema_decay(step: int, *, decay: float = 0.9999, every: int = 1) -> float:

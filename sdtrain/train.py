@@ -40,7 +40,8 @@ from sdtrain.checkpoint import (
 from sdtrain.config import TrainConfig
 from sdtrain.data import EpochSampler, PhaseSet, split_rows
 from sdtrain.ema import EMA
-from sdtrain.models import build_text_encoder, build_unet, build_vae, tokenize
+from sdtrain.models import build_text_encoder, build_vae
+from sdtrain.modes import mode_for
 from sdtrain.monitor import Monitor, read_log
 from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
 from sdtrain.runtime import (
@@ -52,7 +53,7 @@ from sdtrain.runtime import (
     set_rng_state,
     setup_distributed,
 )
-from sdtrain.sampling import decode_images, encode_text, image_grid, sample_latents
+from sdtrain.sampling import encode_text
 from sdtrain.schedules import build_lr_schedule, total_optimizer_steps
 from tasks.shards import clean_temporaries, write_json_atomic
 
@@ -148,6 +149,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         torch.set_num_threads(1)  # ranks share the cores; each would otherwise take them all
     run_dir = Path(config.run_dir)
     model = load_catalog().model(config.model)
+    mode = mode_for(config, model, device)  # what the run trains on, and its loss
     numerics = choose_numerics(device, config.precision)
     autocast = functools.partial(
         torch.autocast,
@@ -167,9 +169,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
     state = read_trainer_state(resume_from, device) if resume_from else None  # checksums first
 
     # Data: validation rows held out by a seeded draw; the rest in a per-epoch seeded order.
-    phase_set = PhaseSet(
-        config.phase_dir, in_ram=config.latents_in_ram, num_threads=config.load_threads
-    )
+    phase_set = mode.dataset()
     train_rows, val_rows = split_rows(len(phase_set), config.num_val_samples, config.seed)
     sampler = EpochSampler(len(train_rows), seed=config.seed, rank=rank, world_size=world_size)
     loader = DataLoader(
@@ -189,14 +189,13 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             f"{config.phase_dir}: {len(train_rows)} training rows give no optimizer step at "
             f"batch_size {config.batch_size} x {world_size} ranks x grad_accum {config.grad_accum}"
         )
-    latent_shape = tuple(phase_set[0][0].shape)
     global_batch = config.batch_size * world_size * config.grad_accum
 
     # Networks: the UNet from the checkpoint we resume, else the previous phase's final weights,
     # else its random init. Same seed on every rank; DDP also broadcasts rank 0's weights.
     from diffusers.models.attention_processor import AttnProcessor2_0
 
-    unet = build_unet(model, seed=config.seed)
+    unet = mode.build_unet(resuming=resume_from is not None)
     weights_dir = resume_from or (Path(config.init_from) if config.init_from else None)
     if weights_dir:
         unet.load_state_dict(load_weights(weights_dir / "unet.safetensors"))
@@ -223,23 +222,27 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         ema.load_state_dict(load_weights(weights_dir / "unet_ema.safetensors"))
     # The frozen networks have fixed weights (seed 0 for the tiny twins, as the encode stage).
     text_encoder = build_text_encoder(model).to(device).eval().requires_grad_(False)
-    empty_emb = encode_text(text_encoder, tokenize([""]))  # the CFG dropout's "no caption"
+    text_encoder = mode.prepare_text_encoder(text_encoder, resume_from)
     ddp = DistributedDataParallel(
-        unet,
+        mode.ddp_module(unet, text_encoder),
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
 
     # Optimization: fresh for every phase; restored only when resuming this run.
+    trained = mode.trainable_parameters(unet, text_encoder)
     optimizer = build_optimizer(
-        unet.parameters(),
+        trained,
         lr=config.lr,
         betas=config.adam_betas,
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
     )
     lr_schedule = build_lr_schedule(
-        optimizer, warmup_steps=config.warmup_steps, total_steps=total_steps
+        optimizer,
+        warmup_steps=config.warmup_steps,
+        total_steps=total_steps,
+        kind=config.lr_schedule,
     )
     scaler = torch.amp.GradScaler(device.type, enabled=numerics.grad_scaler)
     run_shape = {
@@ -277,27 +280,13 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         num_nonfinite = state.get("num_nonfinite", 0)
     resumed_from_step = step
 
-    # Rank 0's extras: the VAE and prompts of the sample grids.
-    vae = prompt_emb = negative_emb = None
-    if rank == 0:
-        vae = build_vae(model).to(device).eval().requires_grad_(False)
-        prompt_emb = encode_text(text_encoder, tokenize(list(config.sample_prompts)))
-        negative_emb = encode_text(text_encoder, tokenize([config.negative_prompt]))
+    # Rank 0's extra: the VAE of the sample grids.
+    vae = build_vae(model).to(device).eval().requires_grad_(False) if rank == 0 else None
 
     def sample_grid():
-        """A grid of the sample prompts from the EMA weights (DDIM, no x0 clamp)."""
-        with ema.swapped_into(unet), autocast():
-            latents = sample_latents(
-                unet,
-                prompt_emb,
-                negative_emb,
-                latent_shape=(unet.config.in_channels, *latent_shape[1:]),
-                num_steps=config.sample_steps,
-                guidance_scale=config.guidance_scale,
-                seed=config.seed,
-                prediction_type=config.prediction_type,
-            )
-        return image_grid(decode_images(vae, latents.float(), model.scaling_factor))
+        """The mode's picture of the run (a phase's: the sample prompts) from the EMA weights."""
+        with ema.swapped_into(unet):
+            return mode.sample_grid(unet, vae, autocast)
 
     def save_checkpoint(*, is_best: bool, all_ranks: bool = True) -> None:
         """The resumable state after `step` (every rank's RNG unless one rank saves alone)."""
@@ -315,6 +304,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             unet_ema=ema.state_dict(),
             config=config,
             ema_step=ema.age + step,
+            extra=mode.extra_weights(text_encoder),
             trainer={
                 "step": step,
                 "epoch": epoch,
@@ -350,40 +340,17 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
     )
     with stop.installed():
         try:
-            for batch_epoch, batch_done, (latents, input_ids, rows), waited in batches:
+            for batch_epoch, batch_done, batch, waited in batches:
                 if step == total_steps:
                     break
                 window_wait += waited
-                window_rows.append(rows)
-                noise, timesteps, dropped = draw_noise(
-                    rows,
-                    seed=config.seed,
-                    epoch=batch_epoch,
-                    latent_shape=latent_shape,
-                    cfg_dropout=config.cfg_dropout,
-                    offset_noise=config.offset_noise,
-                )
-                latents, input_ids, noise, timesteps, dropped = (
-                    t.to(device, non_blocking=True)
-                    for t in (latents, input_ids, noise, timesteps, dropped)
-                )
+                window_rows.append(batch[-1])  # a batch's last item: its rows
                 micro_step += 1
                 steps_now = micro_step % config.grad_accum == 0
                 # Gradients are all-reduced only on the micro-batch that steps the optimizer.
                 with contextlib.nullcontext() if steps_now else ddp.no_sync():
                     with autocast():
-                        text_emb = encode_text(text_encoder, input_ids)
-                        text_emb = torch.where(dropped[:, None, None], empty_emb, text_emb)
-                        loss = diffusion_loss(
-                            ddp,
-                            latents,
-                            text_emb,
-                            noise,
-                            timesteps,
-                            gamma=config.min_snr_gamma,
-                            prediction_type=config.prediction_type,
-                            channels_last=config.channels_last,
-                        )
+                        loss = mode.loss(ddp, batch, epoch=batch_epoch)
                     scaler.scale(loss / config.grad_accum).backward()
                 step_loss += loss.detach() / config.grad_accum
                 if not steps_now:
@@ -391,7 +358,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
 
                 consistent = False  # weights, optimizer and EMA disagree until the EMA update
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), config.max_grad_norm)
+                grad_norm = torch.nn.utils.clip_grad_norm_(trained, config.max_grad_norm)
                 lr = lr_schedule.get_last_lr()[0]
                 # One all-reduce per step: was any rank told to stop, is any rank's loss or the
                 # (all-reduced, so common) gradient norm NaN/inf. Under fp16 the GradScaler
@@ -509,6 +476,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             unet_ema=ema.state_dict(),
             config=config,
             ema_step=ema.age + step,
+            extra=mode.extra_weights(text_encoder),
         )
         grid_path = run_dir / "samples" / "final.png"
         monitor.grid(step, sample_grid(), grid_path)

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
+from sdtrain import modes
 from sdtrain import train as train_module
 from sdtrain.checkpoint import (
     CheckpointDir,
@@ -85,12 +86,14 @@ def test_a_crash_saves_the_last_finished_step(one_rank_run, make_config, tmp_pat
         return draw_noise(*args, **kwargs)
 
     draw_noise = train_module.draw_noise
-    monkeypatch.setattr(train_module, "draw_noise", failing_draw_noise)
+    for module in (train_module, modes):  # the loop's draws (the mode's) and validation's
+        monkeypatch.setattr(module, "draw_noise", failing_draw_noise)
     with pytest.raises(RuntimeError, match="disk error"):
         train(config)
     assert os.readlink(tmp_path / "checkpoints" / "latest") == "step-000002"
 
-    monkeypatch.setattr(train_module, "draw_noise", draw_noise)
+    for module in (train_module, modes):
+        monkeypatch.setattr(module, "draw_noise", draw_noise)
     assert train(config)["resumed_from_step"] == 2
     assert per_step(tmp_path) == per_step(reference.run_dir)
     assert_same_weights(tmp_path, reference.run_dir)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sdtrain import modes
 from sdtrain import train as train_module
 from sdtrain.checkpoint import (
     CHECKSUMS,
@@ -49,11 +50,13 @@ def test_a_signal_between_log_steps_checkpoints_at_the_next_step(
             os.kill(os.getpid(), signal.SIGTERM)
         return draw_noise(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "draw_noise", signalled_draw_noise)
+    for module in (train_module, modes):  # the loop's draws (the mode's) and validation's
+        monkeypatch.setattr(module, "draw_noise", signalled_draw_noise)
     with pytest.raises(TrainingInterrupted, match="at step 3/6"):
         train(config)
     assert os.readlink(tmp_path / "checkpoints" / "latest") == "step-000003"
-    monkeypatch.setattr(train_module, "draw_noise", draw_noise)
+    for module in (train_module, modes):
+        monkeypatch.setattr(module, "draw_noise", draw_noise)
     assert train(config)["resumed_from_step"] == 3
     reference_weights = final_weights(reference.run_dir)
     resumed = final_weights(tmp_path)
@@ -69,7 +72,8 @@ def _nan_on(steps: set[int], monkeypatch) -> None:
         loss = loss_fn(*args, **kwargs)
         return loss * float("nan") if (len(calls) + 1) // 2 in steps else loss
 
-    monkeypatch.setattr(train_module, "diffusion_loss", poisoned)
+    for module in (train_module, modes):  # the loop's loss (the mode's) and validation's
+        monkeypatch.setattr(module, "diffusion_loss", poisoned)
 
 
 def test_a_nan_step_is_skipped_and_counted(make_config, tmp_path, monkeypatch):
