@@ -1,13 +1,14 @@
 """The catalog: typed sources, filter profiles, datasets, phases and models, read from YAML."""
 
 from catalog.loader import Catalog, CatalogError, catalog_dir, load_catalog
-from catalog.schema import Dataset, FilterProfile, MixEntry, Model, Phase, Source
+from catalog.schema import Dataset, FilterProfile, Finetune, MixEntry, Model, Phase, Source
 
 __all__ = [
     "Catalog",
     "CatalogError",
     "Dataset",
     "FilterProfile",
+    "Finetune",
     "MixEntry",
     "Model",
     "Phase",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from catalog.schema import Dataset, FilterProfile, Model, Phase, ScoringModel, Source
+from catalog.schema import Dataset, FilterProfile, Finetune, Model, Phase, ScoringModel, Source
 
 PACKAGED_DIR = Path(__file__).parent
 FILES = {
@@ -27,7 +27,9 @@ FILES = {
     "datasets": ("datasets.yaml", Dataset),
     "phases": ("phases.yaml", Phase),
     "models": ("models.yaml", Model),
+    "finetunes": ("finetunes.yaml", Finetune),
 }
+OPTIONAL_FILES = ("finetunes",)  # catalogs written before fine-tunes existed have none
 
 
 # Lower bounds of the optional training settings of a phase (null: the trainer's default).
@@ -54,6 +56,7 @@ SCORE_RANGES = {
     "max_punsafe": (0.0, 1.0),
 }
 
+FILES_BY_CLASS = {cls: filename for filename, cls in FILES.values()}
 FLOAT_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -70,6 +73,7 @@ class Catalog:
     models: dict[str, Model]
     directory: Path
     scorers: dict[str, ScoringModel] = dataclasses.field(default_factory=dict)
+    finetunes: dict[str, Finetune] = dataclasses.field(default_factory=dict)
 
     def source(self, name: str) -> Source:
         return self._lookup("sources", "source", name)
@@ -86,7 +90,14 @@ class Catalog:
         return self._lookup("phases", "phase", key)
 
     def model(self, name: str) -> Model:
+        """A catalog model, or the model of a diffusers pipeline folder named by its path (a
+        fine-tune's base)."""
+        if name not in self.models and (Path(name) / "model_index.json").is_file():
+            return diffusers_model(Path(name))
         return self._lookup("models", "model", name)
+
+    def finetune(self, name: str) -> Finetune:
+        return self._lookup("finetunes", "fine-tune", name)
 
     def scorer(self, name: str) -> ScoringModel:
         if name not in self.scorers:
@@ -116,6 +127,9 @@ def load_catalog(directory: str | Path | None = None) -> Catalog:
     loaded: dict[str, dict] = {}
     for kind, (filename, cls) in FILES.items():
         path = directory / filename
+        if not path.is_file() and kind in OPTIONAL_FILES:
+            loaded[kind] = {}
+            continue
         if not path.is_file():
             raise CatalogError(f"{path}: catalog file is missing")
         try:
@@ -165,6 +179,32 @@ def _build(cls: type, fields: Any, path: Path, name: str):
             continue
         values[f.name] = _coerce(hints[f.name], fields[f.name], path, f"{name}.{f.name}")
     return cls(**values)
+
+
+def coerce_field(cls: type, name: str, value: Any, where: str):
+    """`value` checked and converted as the catalog reads field `name` of `cls` (a run's
+    override of an entry's setting)."""
+    hints = typing.get_type_hints(cls)
+    if name not in hints or name == "name":
+        raise CatalogError(f"{where}: unknown field (allowed: {', '.join(sorted(hints))})")
+    return _coerce(hints[name], value, Path(FILES_BY_CLASS.get(cls, cls.__name__)), where)
+
+
+def diffusers_model(folder: Path) -> Model:
+    """The Model of a diffusers pipeline folder: its own UNet, VAE and text encoder."""
+    import json
+
+    unet = json.loads((folder / "unet" / "config.json").read_text())
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    scale = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
+    return Model(
+        name=str(folder),
+        resolution=int(unet["sample_size"]) * scale,
+        scaling_factor=float(vae.get("scaling_factor", 0.18215)),
+        unet_pretrained=str(folder),
+        vae_pretrained=str(folder / "vae"),
+        text_pretrained=str(folder / "text_encoder"),
+    )
 
 
 def _coerce(tp: Any, value: Any, path: Path, where: str):
@@ -315,6 +355,8 @@ def _check_references(c: Catalog) -> None:
             value = getattr(p, fld)
             if value is not None and value < low:
                 raise CatalogError(f"{where}.{fld}: must be >= {low}, got {value!r}")
+    for f in c.finetunes.values():
+        check_finetune(f, d / "finetunes.yaml")
     for m in c.models.values():
         where = f"{d / 'models.yaml'}: {m.name}"
         for net in ("unet", "vae", "text"):
@@ -322,6 +364,50 @@ def _check_references(c: Catalog) -> None:
                 raise CatalogError(f"{where}.{net}_config: give {net}_config or {net}_pretrained")
         if m.resolution % 8:
             raise CatalogError(f"{where}.resolution: must be a multiple of 8, got {m.resolution}")
+
+
+def check_finetune(f: Finetune, path: Path) -> None:
+    """A fine-tune's settings make sense together (one line naming entry, field and why)."""
+    where = f"{path}: {f.name}"
+    if f.mode == "dreambooth":
+        if not f.class_noun and f.prior_preservation:
+            raise CatalogError(f"{where}.class_noun: required for prior preservation (e.g. dog)")
+        if f.prior_preservation and f.num_class_images < 1:
+            raise CatalogError(
+                f"{where}.num_class_images: {f.num_class_images} class images with "
+                "prior_preservation on; give a count (seed 001: ~200) or set "
+                "prior_preservation: false"
+            )
+        for fld in ("instance_prompt", "class_prompt"):
+            try:
+                getattr(f, fld).format(token=f.token, class_noun=f.class_noun)
+            except (KeyError, IndexError, ValueError) as e:
+                raise CatalogError(
+                    f"{where}.{fld}: only {{token}} and {{class_noun}} may be filled in ({e})"
+                ) from None
+        if not f.token.strip():
+            raise CatalogError(f"{where}.token: empty")
+    elif f.train_text_encoder:
+        raise CatalogError(
+            f"{where}.train_text_encoder: only DreamBooth trains the text encoder "
+            "(the unconditional inpainting mode has no text)"
+        )
+    if f.inpaint_channels not in (4, 9):
+        raise CatalogError(f"{where}.inpaint_channels: 4 or 9, got {f.inpaint_channels!r}")
+    if not 0 < f.lr <= 1:
+        raise CatalogError(f"{where}.lr: must be within (0, 1], got {f.lr!r}")
+    for fld in ("steps", "batch_size", "class_steps", "num_gpus", "log_every", "sample_steps"):
+        if getattr(f, fld) < 1:
+            raise CatalogError(f"{where}.{fld}: must be >= 1, got {getattr(f, fld)!r}")
+    for fld in ("lora_rank", "warmup_steps", "checkpoint_every", "sample_every"):
+        if getattr(f, fld) < 0:
+            raise CatalogError(f"{where}.{fld}: must be >= 0, got {getattr(f, fld)!r}")
+    for fld in ("prior_loss_weight", "max_grad_norm", "lora_alpha"):
+        value = getattr(f, fld)
+        if value is not None and value < 0:
+            raise CatalogError(f"{where}.{fld}: must be >= 0, got {value!r}")
+    if f.num_demo_images < 1:
+        raise CatalogError(f"{where}.num_demo_images: must be >= 1, got {f.num_demo_images!r}")
 
 
 def _check_profile(pr: FilterProfile, path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Typed catalog entries: sources, filter profiles, datasets, phases, models.
+"""Typed catalog entries: sources, filter profiles, datasets, phases, models, fine-tunes.
 
 Entries are frozen dataclasses built from YAML by `catalog.loader`; the loader, not these
 classes, owns error messages (file, field, value), so the classes stay plain data.
@@ -187,3 +187,56 @@ class ScoringModel:
     watermark_weights: str = ""
     watermark_side: int = 256  # LAION stretches every image to this square
     batch_size: int = 64
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Finetune:
+    """A fine-tune of a trained model (finetunes.yaml): DreamBooth or inpainting, LoRA optional.
+
+    The defaults are seed 001's DreamBooth numbers (lr 5e-6, batch 2, 400 steps, prior weight
+    1.0, clip 1.0, 200 class images). Relative paths are under the data root.
+    """
+
+    name: str
+    mode: Literal["dreambooth", "inpaint"]
+    # A phase or run name under <root>/runs/ (its final/ EMA weights), a weights folder, or a
+    # diffusers pipeline folder (model_index.json; its own VAE and text encoder).
+    base: str
+    images: str  # folder: the subject's instance images (dreambooth), the images (inpaint)
+    # DreamBooth: "{token}" and "{class_noun}" are filled into the prompts.
+    token: str = "sks"
+    class_noun: str = ""
+    instance_prompt: str = "a photo of {token} {class_noun}"
+    class_prompt: str = "a photo of {class_noun}"
+    prior_preservation: bool = True
+    num_class_images: int = 200  # made by the base model, reused when already there
+    prior_loss_weight: float = 1.0
+    class_steps: int = 50  # DDIM steps of a class image
+    train_text_encoder: bool = False
+    # Inpainting: 4 = seed 000 (UNet only, unconditional: a zeros null embedding); 9 = an
+    # inpainting UNet (noisy latents + mask + masked-image latents), captioned by the .txt
+    # beside each image, else `prompt`.
+    inpaint_channels: int = 4
+    prompt: str = ""
+    num_demo_images: int = 4  # images of the inpainting demo grid
+    # LoRA (peft): rank 0 trains every weight; else adapters of this rank, the base frozen.
+    lora_rank: int = 0
+    lora_alpha: float | None = None  # default: the rank (scale 1)
+    # Training (one rank's batch; with prior preservation, that many pairs).
+    lr: float = 5e-6
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = 0
+    steps: int = 400
+    batch_size: int = 2
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    flip: bool = False  # also train on each image mirrored (off: subjects are asymmetric)
+    min_side: int | None = None  # shorter images are dropped (too_small); default: half the side
+    checkpoint_every: int = 100
+    sample_every: int = 100  # the sample grid (dreambooth) or inpainting demo grid
+    log_every: int = 10
+    sample_steps: int = 20
+    sample_prompts: tuple[str, ...] = ()  # default: the instance and class prompts
+    channels_last: bool = True
+    gradient_checkpointing: bool = True
+    num_gpus: int = 1  # devices of the node's GPU pool a run holds (a sweep's runs share them)

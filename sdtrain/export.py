@@ -1,7 +1,9 @@
 """Export trained weights: a diffusers folder and one original-layout (LDM) safetensors file.
 
-The folder is a `StableDiffusionPipeline` with the trainer's DDIM (no x0 clamp). The single file
-uses the original checkpoint names (`model.diffusion_model.`, `first_stage_model.`,
+The folder is a `StableDiffusionPipeline` with the trainer's DDIM (no x0 clamp); a 9-channel
+UNet's is a `StableDiffusionInpaintPipeline`, and a LoRA fine-tune's is its frozen base plus the
+adapters for `pipe.load_lora_weights(folder)`. The single file (the adapters merged in) uses the
+original checkpoint names (`model.diffusion_model.`, `first_stage_model.`,
 `cond_stage_model.transformer.`), mapped from the UNet and VAE configs, not a fixed SD1.5 table.
 """
 
@@ -36,16 +38,23 @@ VAE_ATTENTION_TO_LDM = {
 
 def export_pipeline(networks: Networks, out_dir: Path, *, half: bool = False) -> tuple[Path, Path]:
     """Write `out_dir/` (diffusers) and `out_dir.safetensors` (single file); returns both."""
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
 
+    from sdtrain import lora
     from sdtrain.models import build_tokenizer
 
     dtype = torch.float16 if half else torch.float32
-    pipeline = StableDiffusionPipeline(
+    unet, text_encoder = networks.unet.to("cpu", dtype), networks.text_encoder.to("cpu", dtype)
+    adapted = lora.has_lora(unet)
+    if adapted:  # the pipeline holds the frozen base; the adapters go beside it
+        unet, text_encoder = (_without_lora(m) for m in (unet, text_encoder))
+    nine = unet.config.in_channels == 9
+    pipeline_class = StableDiffusionInpaintPipeline if nine else StableDiffusionPipeline
+    pipeline = pipeline_class(
         vae=networks.vae.to("cpu", dtype),
-        text_encoder=networks.text_encoder.to("cpu", dtype),
+        text_encoder=text_encoder,
         tokenizer=build_tokenizer(),
-        unet=networks.unet.to("cpu", dtype),
+        unet=unet,
         scheduler=ddim_scheduler(networks.prediction_type),
         safety_checker=None,
         feature_extractor=None,
@@ -56,15 +65,55 @@ def export_pipeline(networks: Networks, out_dir: Path, *, half: bool = False) ->
     if tmp.exists():
         shutil.rmtree(tmp)
     pipeline.save_pretrained(tmp)
+    if adapted:
+        from sdtrain.finetune import unet_targets
+
+        settings = networks.finetune
+        lora.save_adapters(
+            tmp,
+            networks.unet,
+            networks.text_encoder,
+            rank=settings.lora_rank,
+            alpha=settings.lora_alpha,
+            unet_targets=unet_targets(settings),
+        )
+        unet, text_encoder = (_merged(m) for m in (networks.unet, networks.text_encoder))
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
 
     single_file = out_dir.with_name(out_dir.name + ".safetensors")
-    state = ldm_state_dict(networks.unet, networks.vae, networks.text_encoder)
+    state = ldm_state_dict(unet, networks.vae, text_encoder)
     with atomic_path(single_file) as tmp_file:
         save_file(state, str(tmp_file), metadata={"format": "pt"})
     return out_dir, single_file
+
+
+def _plain_copy(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module of `module`'s class and config (no adapters) holding `state`."""
+    if hasattr(module, "register_to_config"):  # a diffusers model
+        plain = type(module).from_config(module.config)
+    else:  # a transformers model
+        plain = type(module)(module.config)
+    plain.load_state_dict(state)
+    return plain.to(next(module.parameters()).dtype)
+
+
+def _without_lora(module: torch.nn.Module) -> torch.nn.Module:
+    from sdtrain import lora
+
+    if not lora.has_lora(module):
+        return module
+    return _plain_copy(module, lora.base_state(module.state_dict()))
+
+
+def _merged(module: torch.nn.Module) -> torch.nn.Module:
+    """The module with its adapters folded into its weights (for the single file)."""
+    from sdtrain import lora
+
+    if not lora.has_lora(module):
+        return module
+    return _plain_copy(module, lora.merged_state(module))
 
 
 def ldm_state_dict(unet, vae, text_encoder) -> dict[str, torch.Tensor]:

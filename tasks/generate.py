@@ -32,7 +32,14 @@ from PIL import PngImagePlugin
 
 from catalog import load_catalog
 from sdtrain.config import TrainConfig
-from sdtrain.sampling import WeightsNotFound, generate, load_networks, pick_device, resolve_weights
+from sdtrain.sampling import (
+    WeightsNotFound,
+    generate,
+    is_diffusers_folder,
+    load_networks,
+    pick_device,
+    resolve_weights,
+)
 from tasks.shards import atomic_path, clean_temporaries
 
 INDEX = "index.parquet"
@@ -128,8 +135,15 @@ def find_weights(weights: str | Path, root: Path) -> Path:
 
 def open_weights(weights: str | Path, *, use_ema: bool = True) -> Weights:
     folder = resolve_weights(weights)
-    config = TrainConfig.from_json(folder / "config.json")
-    unet_file = f"unet{'_ema' if use_ema else ''}.safetensors"
+    if is_diffusers_folder(folder):  # e.g. an export, or a fine-tune's diffusers base
+        model, negative_prompt = str(folder), ""
+        unet_file = next(
+            str(p.relative_to(folder)) for p in (folder / "unet").glob("*.safetensors")
+        )
+    else:
+        config = TrainConfig.from_json(folder / "config.json")
+        model, negative_prompt = config.model, config.negative_prompt
+        unet_file = f"unet{'_ema' if use_ema else ''}.safetensors"
     checksums = folder / "checksums.json"
     recorded = json.loads(checksums.read_text()) if checksums.is_file() else {}
     if unet_file not in recorded:  # a folder of an older sdpipe: hash it once here
@@ -139,9 +153,9 @@ def open_weights(weights: str | Path, *, use_ema: bool = True) -> Weights:
         folder=folder,
         use_ema=use_ema,
         sha256=recorded[unet_file],
-        model=config.model,
-        resolution=load_catalog().model(config.model).resolution,
-        negative_prompt=config.negative_prompt,
+        model=model,
+        resolution=load_catalog().model(model).resolution,
+        negative_prompt=negative_prompt,
     )
 
 
