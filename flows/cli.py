@@ -158,6 +158,67 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- finetune (self-contained: catalog entries of catalog/finetunes.yaml) --------------------
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    """A fine-tune here; with --sweep, one flow run of deployment finetune/NAME per value."""
+    from flows import finetune as flow
+    from tasks.finetune import FinetuneError
+
+    root = data_root(args.data_root)
+    try:
+        settings = dict(flow.parse_values(item) for item in args.set or [])
+        settings = {k: v[0] if len(v) == 1 else v for k, v in settings.items()}
+        if args.sweep:
+            key, values = flow.parse_values(args.sweep)
+            runs = flow.submit_sweep(args.name, key, values, settings)
+        else:
+            _, _, warnings = flow.preflight(args.name, settings, root)
+            for warning in warnings:
+                print(f"sdpipe: warning: {warning}", file=sys.stderr)
+    except FinetuneError as e:
+        print(f"sdpipe: error: {e}", file=sys.stderr)
+        return 2
+    if args.sweep:
+        for run, value in zip(runs, values, strict=True):
+            print(f"submitted {run.name} ({key}={value}): finetune/{args.name} run {run.id}")
+        if not args.wait:
+            return 0
+        ended = flow.wait_for(runs)
+        for run in ended:
+            print(f"{run.name}: {run.state.name}")
+        return 0 if all(r.state.is_completed() for r in ended) else 1
+    state = flow.finetune(
+        name=args.name, settings=settings, data_root=args.data_root, return_state=True
+    )
+    if code := _report(state):
+        return code
+    s = state.result()
+    print(
+        f"{args.name}/{s['run_name']}: {s['steps']} steps, loss {s['first_loss']:.4f} -> "
+        f"{s['last_loss']:.4f}; export {s['export']['folder']}"
+    )
+    return 0
+
+
+def _add_finetune_parser(sub) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a catalog entry (DreamBooth, inpainting, LoRA) here, or with --sweep "
+        "submit one run of deployment finetune/NAME per value",
+    )
+    p.add_argument("name", help="an entry of catalog/finetunes.yaml")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a setting (repeatable)"
+    )
+    p.add_argument(
+        "--sweep", metavar="KEY=V1,V2,...", help="e.g. lr=1e-5,2e-5,5e-5: one flow run per value"
+    )
+    p.add_argument("--wait", action="store_true", help="with --sweep: wait for the runs to end")
+    p.set_defaults(fn=cmd_finetune)
+
+
 def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--phase", help="a trained phase under the data root (runs/<phase>/)")
@@ -344,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="images per forward pass")
     p.add_argument("--devices", type=int, help="workers (default: every device of this node)")
     p.set_defaults(fn=cmd_generate)
+    _add_finetune_parser(sub)
     sub.add_parser(
         "demo", help="the whole chain on the demo source through deployments"
     ).set_defaults(fn=cmd_demo)

@@ -38,9 +38,14 @@ def train_config_for_phase(
 
 
 def launch_training(
-    config: TrainConfig, *, nproc: int | None = None, on_line: Callable[[str], None] = print
+    config: TrainConfig,
+    *,
+    nproc: int | None = None,
+    on_line: Callable[[str], None] = print,
+    env: dict[str, str] | None = None,
 ) -> dict:
-    """Run `sdtrain.train` on `nproc` ranks (default: every GPU, or 2 CPU ranks) and wait."""
+    """Run `sdtrain.train` on `nproc` ranks (default: every GPU, or 2 CPU ranks) and wait;
+    `env`: more environment for the ranks (e.g. the CUDA_VISIBLE_DEVICES of claimed GPUs)."""
     import torch
 
     num_procs = nproc or torch.cuda.device_count() or 2
@@ -55,7 +60,7 @@ def launch_training(
         "-m", "sdtrain.train", "--config", str(config_path),
     ]  # fmt: skip
     # One thread per rank: torch would otherwise start a full pool in every rank.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     last_lines: collections.deque[str] = collections.deque(maxlen=20)
     with subprocess.Popen(
         command, cwd=PROJECT_ROOT, env=env, text=True,
