@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
@@ -37,11 +38,12 @@ class FinetuneSet(Dataset):
 
     `pairs`: DreamBooth with prior preservation: item i is instance i mod n paired with class
     image i mod m, over max(n, m) items (diffusers' DreamBooth dataset). Otherwise the instance
-    rows alone. Items: (latents [K,4,h,w], input_ids [K,77], row) for DreamBooth (K = 2 with
+    rows alone. At least `min_length` items (cycling), so a few images fill a global batch.
+    Items: (latents [K,4,h,w], input_ids [K,77], row) for DreamBooth (K = 2 with
     pairs, else 1); (latent, input_ids, pixels, row) for inpainting.
     """
 
-    def __init__(self, data_dir: str | Path, *, pairs: bool, inpainting: bool):
+    def __init__(self, data_dir: str | Path, *, pairs: bool, inpainting: bool, min_length: int = 0):
         data_dir = Path(data_dir)
         manifest = pq.read_table(data_dir / "manifest.parquet")
         kinds = np.array(manifest["kind"].to_pylist())
@@ -50,21 +52,20 @@ class FinetuneSet(Dataset):
         self.pixels = np.load(data_dir / "pixels.npy", mmap_mode="r") if inpainting else None
         self.instance = np.flatnonzero(kinds == "instance")
         self.classes = np.flatnonzero(kinds == "class")
-        self.pairs, self.inpainting = pairs, inpainting
+        self.pairs, self.inpainting, self.min_length = pairs, inpainting, min_length
         if pairs and not len(self.classes):
             raise ValueError(f"{data_dir}: prior preservation needs class images; there are none")
 
     def __len__(self) -> int:
-        if self.pairs:
-            return max(len(self.instance), len(self.classes))
-        return len(self.instance)
+        natural = max(len(self.instance), len(self.classes)) if self.pairs else len(self.instance)
+        return max(natural, self.min_length)
 
     def _latents(self, rows: list[int]) -> torch.Tensor:
         return torch.from_numpy(self.latents[rows].astype(np.float32))
 
     def __getitem__(self, i: int):
         if self.inpainting:
-            r = int(self.instance[i])
+            r = int(self.instance[i % len(self.instance)])
             pixels = torch.from_numpy(np.array(self.pixels[r]))
             return self._latents([r])[0], torch.from_numpy(self.ids[r]), pixels, i
         rows = [int(self.instance[i % len(self.instance)])]
@@ -173,6 +174,11 @@ class FinetuneMode(PhaseMode):
     def extra_weights(self, text_encoder):
         return {TEXT_ENCODER_FILE: text_encoder.state_dict()} if self.trains_text else {}
 
+    def global_batch(self) -> int:
+        """Samples one optimizer step takes: a fine-tune's set is at least that long."""
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        return self.config.batch_size * world_size * self.config.grad_accum
+
     def predict(self, ddp, latents, cond, noise, timesteps, extra_channels=None):
         """(prediction, target): `cond` is token ids when the text encoder trains (the DDP
         module encodes them), else embeddings."""
@@ -194,7 +200,10 @@ class DreamBoothMode(FinetuneMode):
 
     def dataset(self) -> FinetuneSet:
         data = FinetuneSet(
-            self.config.phase_dir, pairs=self.settings.prior_loss_weight > 0, inpainting=False
+            self.config.phase_dir,
+            pairs=self.settings.prior_loss_weight > 0,
+            inpainting=False,
+            min_length=self.global_batch(),
         )
         self.latent_shape = tuple(data.latents.shape[1:])
         return data
@@ -228,7 +237,9 @@ class InpaintMode(FinetuneMode):
         self.vae = build_vae(model).to(device).eval().requires_grad_(False) if self.nine else None
 
     def dataset(self) -> FinetuneSet:
-        self.data = FinetuneSet(self.config.phase_dir, pairs=False, inpainting=True)
+        self.data = FinetuneSet(
+            self.config.phase_dir, pairs=False, inpainting=True, min_length=self.global_batch()
+        )
         self.latent_shape = tuple(self.data.latents.shape[1:])
         return self.data
 
