@@ -138,3 +138,66 @@ def test_training_masks_depend_on_seed_epoch_and_row_only():
     full = (many.flatten(1).mean(1) == 1).float().mean().item()
     assert 0.15 < full < 0.35  # about a quarter hide the whole image
     assert set(many.unique().tolist()) == {0.0, 1.0}
+
+
+def test_a_dreambooth_lora_run_with_its_text_encoder_resumes_bitwise(
+    model, unet, tmp_path, monkeypatch
+):
+    """A crash mid-run saves the last finished step; the rerun rebuilds the adapted UNet and
+    text encoder, loads them, and ends where an uninterrupted run ends, bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    from sdtrain import finetune as finetune_module
+    from sdtrain.monitor import read_log
+    from sdtrain.train import train
+
+    write_data(tmp_path / "data", {"instance": ["a photo of sks dog"] * 2, "class": ["dog"] * 3})
+    save_file(unet.state_dict(), str(tmp_path / "base.safetensors"))
+
+    def config(run: str) -> TrainConfig:
+        return TrainConfig(
+            phase="dog", phase_dir=str(tmp_path / "data"), run_dir=str(tmp_path / run),
+            model="tiny", lr=1e-2, lr_schedule="constant", warmup_steps=0, epochs=100,
+            max_steps=4, batch_size=2, cfg_dropout=0.0, min_snr_gamma=0.0, ema_decay=0.0,
+            ema_carry=False, num_val_samples=0, checkpoint_every=1, keep_every=0,
+            validate_every=0, log_every=1, sample_every=0, sample_steps=2, channels_last=False,
+            gradient_checkpointing=False, deterministic=True,
+            finetune=FinetuneSettings(
+                mode="dreambooth", base_unet=str(tmp_path / "base.safetensors"),
+                prior_loss_weight=1.0, train_text_encoder=True, lora_rank=4, lora_alpha=4.0,
+            ),
+        )  # fmt: skip
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = train(config("reference"))
+        calls, draw_noise = [], finetune_module.draw_noise
+
+        def failing_draw_noise(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:  # step 3
+                raise RuntimeError("disk error")
+            return draw_noise(*args, **kwargs)
+
+        monkeypatch.setattr(finetune_module, "draw_noise", failing_draw_noise)
+        with pytest.raises(RuntimeError, match="disk error"):
+            train(config("run"))
+        monkeypatch.setattr(finetune_module, "draw_noise", draw_noise)
+        resumed = train(config("run"))
+    finally:
+        torch.set_num_threads(previous)
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == reference["steps"] == 4
+    losses = [
+        [(r["step"], r["loss"]) for r in read_log(tmp_path / run / "log.jsonl") if "loss" in r]
+        for run in ("reference", "run")
+    ]
+    assert losses[0] == losses[1] and losses[0][0][1] != losses[0][-1][1]
+    for name in ("unet", "unet_ema", "text_encoder"):
+        a, b = (
+            load_file(tmp_path / run / "final" / f"{name}.safetensors")
+            for run in ("reference", "run")
+        )
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    trained = load_file(tmp_path / "run" / "final" / "unet.safetensors")
+    assert any(".lora_B." in k and torch.count_nonzero(v) for k, v in trained.items())
