@@ -23,6 +23,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from sdtrain.sampling import WeightsNotFound
     from tasks.metadata import SourceError
     from tasks.mix import MixError
+    from tasks.score import ScoringWeightsError
 
     return (
         CatalogError,
@@ -34,6 +35,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         CheckpointError,
         LocalServerError,
         DemoFailed,
+        ScoringWeightsError,
     )
 
 
@@ -48,7 +50,7 @@ def cmd_build_latents(args: argparse.Namespace) -> int:
     from flows import progress
     from flows.build_latents import build_latents, preflight
 
-    preflight(args.source)
+    preflight(args.source, data_root(args.data_root))
     with progress.watch(data_root(args.data_root), sources=[args.source]):
         state = build_latents(
             source=args.source,
