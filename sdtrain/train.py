@@ -1,4 +1,7 @@
-"""Train a UNet on a phase set: DDP, min-SNR loss, EMA, resumable checkpoints.
+"""Train a UNet on a phase set (or a fine-tune's images): DDP, EMA, resumable checkpoints.
+
+What a run trains on, its networks' structure and its loss come from its mode
+(sdtrain/modes.py: a phase's min-SNR loss, sdtrain/finetune.py); this is the only loop.
 
 Run as `torchrun --nproc_per_node=N -m sdtrain.train --config run.json`; a plain `python -m`
 run is a group of one, same code path. DDP wraps the model here, never in model code. A run
@@ -192,7 +195,8 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
     global_batch = config.batch_size * world_size * config.grad_accum
 
     # Networks: the UNet from the checkpoint we resume, else the previous phase's final weights,
-    # else its random init. Same seed on every rank; DDP also broadcasts rank 0's weights.
+    # else its mode's init (random, or a fine-tune's base). Same seed on every rank; DDP also
+    # broadcasts rank 0's weights.
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     unet = mode.build_unet(resuming=resume_from is not None)
