@@ -35,12 +35,15 @@ NUM_VAL = 6
 PLANTED = "demo-planted"
 
 
-def write_weights(folder: Path, phase_dir: Path, seed_offset: int = 0) -> Path:
+def write_weights(
+    folder: Path, phase_dir: Path, seed_offset: int = 0, *, keep_every: int = 0
+) -> Path:
     state = build_unet(load_catalog().model("tiny")).state_dict()
     config = TrainConfig(
         phase=PHASE, phase_dir=str(phase_dir), run_dir=str(folder.parent), model="tiny",
         lr=1e-4, warmup_steps=0, epochs=1, batch_size=1, cfg_dropout=0.1, min_snr_gamma=5.0,
-        negative_prompt=RUN_NEGATIVE, num_val_samples=NUM_VAL, checkpoint_every=0, keep_every=0,
+        negative_prompt=RUN_NEGATIVE, num_val_samples=NUM_VAL, checkpoint_every=0,
+        keep_every=keep_every,
     )  # fmt: skip
     return write_checkpoint(
         folder,
