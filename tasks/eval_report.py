@@ -91,12 +91,20 @@ def table_rows(summary: dict, previous: dict | None) -> list[dict]:
     return rows
 
 
+PER_CATEGORY = ("clip_score", "aesthetic", "memorised")
+
+
 def format_table(summary: dict, previous: dict | None) -> str:
-    """The table as text (make demo, sdpipe eval)."""
+    """The table as text (make demo, sdpipe eval): the per-category metrics, then those of the
+    whole set (FID, validation losses) one per line."""
     rows = table_rows(summary, previous)
     against = f" (changes against {previous['phase']})" if previous else ""
     head = f"eval {summary['phase']} on {summary['eval_set']}: {summary['num_images']} images"
-    return head + against + "\n" + _text_table(rows)
+    narrow = [{k: v for k, v in r.items() if k == "category" or k in PER_CATEGORY} for r in rows]
+    whole = [(k, v) for k, v in rows[-1].items() if k != "category" and k not in PER_CATEGORY]
+    lines = [head + against, _text_table(narrow), ""]
+    lines += [f"{k:<15}{v}" for k, v in whole]
+    return "\n".join(lines)
 
 
 def format_compare(a: dict, b: dict) -> str:
@@ -214,6 +222,22 @@ def _memorisation_markdown(root: Path, summary: dict, out_dir: Path, budget: int
         for w in memo["worst"]
     ]
     return "\n".join(lines)
+
+
+def choice_markdown(choice: dict) -> str:
+    """The checkpoints compared by the eval set's metric and the one it chose."""
+    metric = choice["metric"]
+    lines = [
+        "",
+        f"## Checkpoint choice by {metric} ({choice['better']} is better)",
+        "",
+        f"| weights | step | {metric} |",
+        "|---|---|---|",
+    ]
+    for c in choice["candidates"]:
+        mark = " (chosen)" if c["name"] == choice["chosen"]["name"] else ""
+        lines.append(f"| {c['name']}{mark} | {c['step']} | {fmt(metric, c['value'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def write_tensorboard(root: Path, summary: dict) -> Path:

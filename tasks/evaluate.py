@@ -59,6 +59,29 @@ def prompts_of(spec: EvalSet) -> tuple[list[gen.Prompt], list[str]]:
     return prompts, categories
 
 
+def check_weights(catalog: Catalog, spec: EvalSet) -> None:
+    """Fail naming every missing file of the eval's networks (the scorer's, the FID weights)
+    before anything is generated, or anything trained by a curriculum that ends in an eval."""
+    from tasks.score import check_weights as check_scorer
+
+    scorer = catalog.scorer(spec.scorer)
+    if not scorer.random_weights:
+        check_scorer(scorer)
+    path = fid.weights_path(spec.fid_weights)
+    if not spec.fid_random_weights and not path.is_file():
+        raise fid.FIDWeightsError(
+            f"eval set {spec.name!r}: FID weights not found: {path} (get {fid.WEIGHTS_URL}; "
+            "relative paths are under SDPIPE_WEIGHTS, default ./weights)"
+        )
+
+
+def eval_set_of(catalog: Catalog, phase: str) -> EvalSet:
+    spec = catalog.phase(phase)
+    if not spec.eval_set:
+        raise EvalError(f"{spec.name} names no eval set (eval_set in phases.yaml)")
+    return catalog.eval_set(spec.eval_set)
+
+
 def final_weights(root: Path, phase: str) -> Path:
     try:
         return resolve_weights(root / "runs" / phase / "final")
@@ -107,10 +130,8 @@ def evaluate(
     `out_dir` (default `runs/<phase>/eval/`) and returns the summary."""
     started = time.monotonic()
     catalog = catalog or load_catalog()
-    spec_phase = catalog.phase(phase)
-    if not spec_phase.eval_set:
-        raise EvalError(f"{spec_phase.name} names no eval set (eval_set in phases.yaml)")
-    spec = catalog.eval_set(spec_phase.eval_set)
+    spec_phase, spec = catalog.phase(phase), eval_set_of(catalog, phase)
+    check_weights(catalog, spec)
     folder = resolve_weights(weights) if weights else final_weights(root, spec_phase.name)
     out_dir = Path(out_dir or eval_dir(root, spec_phase.name))
     config = TrainConfig.from_json(folder / "config.json")

@@ -1,5 +1,5 @@
-"""prefect.yaml declares one deployment per catalog source and phase, and generate/default,
-for the sdpipe pool."""
+"""prefect.yaml declares one deployment per catalog source and phase (curriculum and eval), and
+generate/default, for the sdpipe pool."""
 
 from __future__ import annotations
 
@@ -22,14 +22,17 @@ def test_every_source_and_phase_is_deployed():
             "flows/build_latents.py:build_latents": "build-latents",
             "flows/curriculum.py:curriculum": "curriculum",
             "flows/generate.py:generate": "generate",
+            "flows/evaluate.py:evaluate_phase": "eval",
         }[d["entrypoint"]]
         by_flow.setdefault(flow, set()).add(d["name"])
         assert d["work_pool"]["name"] == WORK_POOL
         # The deployment's parameter names the catalog entry it is named after; a generate run
         # names its prompts, weights and folder.
         names = {"build-latents": {"source": d["name"]}, "curriculum": {"phase": d["name"]}}
+        names["eval"] = {"phase": d["name"]}
         assert d["parameters"] == names.get(flow, {})
     assert by_flow["build-latents"] == set(catalog.sources)
     assert by_flow["curriculum"] == set(catalog.phases)
     assert {f"phase-{i}" for i in range(1, 8)} | {"demo"} == by_flow["curriculum"]
     assert by_flow["generate"] == {"default"}
+    assert by_flow["eval"] == set(catalog.phases)
