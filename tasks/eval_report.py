@@ -43,7 +43,7 @@ def read_summary(root: Path, phase: str) -> dict | None:
 
 def fmt(metric: str, value: float | None) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
+        return "n/a"  # a dash would render as a list bullet in the dashboard's table
     if metric == "memorised":
         return f"{100 * value:.1f}%"
     if metric.startswith("fid"):

@@ -51,7 +51,7 @@ def test_changes_are_green_when_better_and_red_when_worse():
     # Validation losses against the starting weights on the same rows.
     assert rows["all"]["val_loss_low"] == "0.1100 -0.01 🟢"
     assert rows["all"]["val_loss"] == "0.1100 +0.02 🔴"
-    assert rows["all"]["fid_reference"] == "-"
+    assert rows["all"]["fid_reference"] == "n/a"
     first = {r["category"]: r for r in eval_report.table_rows(before, None)}
     assert first["forest"]["clip_score"] == "25.00"  # nothing to compare with
 
