@@ -1,11 +1,8 @@
-"""eval: a phase's eval (tasks/evaluate.py) as a flow, run by curriculum after each phase's
-training and on demand (deployment `eval/phase-N`, `sdpipe eval --phase N`).
-
-The eval holds devices of the node's GPU pool for all of its work (generation on every device
-it claims, scoring on the first), so it never shares a GPU with score, encode or a training.
-Its artifacts: `<phase>-eval-table` (category x metric with each change against the previous
-phase, green better, red worse), `<phase>-eval-grid` (one image per prompt per category and the
-generations nearest a training image, embedded), `<phase>-eval-progress`.
+"""eval: tasks/evaluate.py as a flow, run by curriculum after each phase's training and on demand
+(`eval/phase-N`, `sdpipe eval --phase N`). It holds GPU-pool devices for all its work, so it never
+shares a GPU with score, encode or a training. Artifacts: `<phase>-eval-table` (category x metric,
+changes green/red), `<phase>-eval-grid` (one image per prompt per category, nearest training
+images), `<phase>-eval-progress`.
 """
 
 from __future__ import annotations

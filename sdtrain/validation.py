@@ -1,10 +1,8 @@
-"""Validation loss per held-out row, at the trainer's fixed noise and timesteps, by timestep band.
+"""Validation loss per held-out row at the trainer's fixed noise and timesteps, by timestep band.
 
-Each row gets the noise and timestep the trainer's own validation draws for it (seeded by row,
-`VALIDATION_STREAM`), so any weights evaluated on a phase's held-out rows see the same problems.
-Rows are reported unweighted (plain MSE of the prediction target) with their min-SNR weight
-beside: the band means compare across phases that train with other gammas, and the weighted
-mean is the trainer's `val_loss`.
+Rows get the noise and timestep the trainer's validation draws for them (seeded by row), so any
+weights see the same problems. The MSE is reported unweighted, so phases trained with other
+min-SNR gammas compare; weighted by min-SNR, its mean is the trainer's `val_loss`.
 """
 
 from __future__ import annotations

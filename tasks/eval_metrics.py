@@ -1,16 +1,14 @@
-"""Eval metrics over images: CLIP score and aesthetic with the score stage's ViT-L/14 and head,
-and memorisation as each generation's nearest training image by that same embedding.
-
-Nearest neighbours are exact and blockwise: the generations (hundreds) against one training
-shard at a time, so memory holds a shard, never the training set, and the cost is linear in it.
-A source the score stage embedded with the eval's scorer is read from `scores/`; any other is
-embedded here once per shard, from its images, into `embeddings/<scorer>/NNNNN.parquet`.
+"""Eval metrics over images: CLIP score and aesthetic by the score stage's ViT-L/14 and head;
+memorisation as each generation's nearest training image by that same embedding, exact and
+blockwise (all generations against one training shard at a time: memory holds a shard, the cost
+is linear in the training set). Sources not scored with the eval's scorer are embedded once per
+shard from their images into `<source>/embeddings/<scorer>/NNNNN.parquet`.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +36,10 @@ class ImageScores:
     cosine: np.ndarray  # float64 [N]: image-prompt cosine
     aesthetic: np.ndarray  # float64 [N]
     embedding: np.ndarray  # float32 [N, D], L2-normalized
+
+    @classmethod
+    def concat(cls, parts: Sequence[ImageScores]) -> ImageScores:
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__slots__))
 
 
 @torch.no_grad()
@@ -156,6 +158,20 @@ def training_blocks(
         yield Block(source, shard, found[0], found[1], computed)
 
 
+class Counted:
+    """Blocks passed through, counting the training rows and the sources embedded here."""
+
+    def __init__(self, blocks: Iterator[Block]):
+        self.blocks, self.num_rows, self.embedded_here = blocks, 0, set()
+
+    def __iter__(self) -> Iterator[Block]:
+        for block in self.blocks:
+            self.num_rows += len(block.keys)
+            if block.computed:
+                self.embedded_here.add(block.source)
+            yield block
+
+
 @dataclass(frozen=True, slots=True)
 class Nearest:
     similarity: np.ndarray  # float64 [G]: cosine to the nearest training image
@@ -165,8 +181,11 @@ class Nearest:
 
 
 @torch.no_grad()
-def nearest_training(generated: np.ndarray, blocks: Iterator[Block], device) -> Nearest:
-    """Each generation's nearest training image (cosine of unit embeddings), block by block."""
+def nearest_training(
+    generated: np.ndarray, blocks: Iterable[Block], device, query_rows: int = 4096
+) -> Nearest:
+    """Each generation's nearest training image (cosine of unit embeddings), block by block,
+    `query_rows` generations at a time (a similarity matrix of at most that x a shard)."""
     gen = F.normalize(torch.from_numpy(np.asarray(generated, np.float32)).to(device), dim=1)
     count = len(gen)
     best = np.full(count, -np.inf)
@@ -177,8 +196,9 @@ def nearest_training(generated: np.ndarray, blocks: Iterator[Block], device) -> 
         if not block.keys:
             continue
         train = F.normalize(torch.from_numpy(block.embedding).to(device).float(), dim=1)
-        sims, where = (gen @ train.T).max(dim=1)
-        sims, where = sims.double().cpu().numpy(), where.cpu().numpy()
+        found = [(q @ train.T).max(dim=1) for q in gen.split(query_rows)]
+        sims = torch.cat([f.values for f in found]).double().cpu().numpy()
+        where = torch.cat([f.indices for f in found]).cpu().numpy()
         for g in np.flatnonzero(sims > best):
             best[g] = sims[g]
             source[g], shard[g], key[g] = block.source, block.shard, block.keys[where[g]]

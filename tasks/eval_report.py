@@ -1,10 +1,8 @@
-"""The eval's results for people: the category x metric table with each change against the
-previous phase, the side-by-side comparison of two phases, the image grid and the memorisation
-pairs as embedded pictures, TensorBoard scalars `eval/<metric>/<category>`.
-
-A change is judged on the same footing as the value: generation metrics against the previous
-phase's eval (same prompts, same seeds), FID against the previous phase's generations on this
-phase's held-out images, validation losses against the starting weights on the same rows.
+"""The eval for people: the category x metric table with changes, `--compare`, the image grid
+and memorisation pairs as embedded pictures, TensorBoard scalars `eval/<metric>/<category>`.
+A change is judged on one footing: generation metrics against the previous phase's eval (same
+prompts and seeds), FID against the previous phase's generations on this phase's held-out
+images, validation losses against the weights the phase started from, on the same rows.
 """
 
 from __future__ import annotations

@@ -154,18 +154,16 @@ def evaluate(
     )
     seconds["generate"] = time.monotonic() - mark
     rows = index.to_pylist()
-    images = [Image.open(out_dir / IMAGES / r["file"]).convert("RGB") for r in rows]
     category = [categories[r["prompt_index"]] for r in rows]
 
     mark = time.monotonic()
     scorer = load_scorer(catalog.scorer(spec.scorer), device)
-    scores = eval_metrics.score_images(scorer, images, [r["prompt"] for r in rows])
-    seconds["clip_aesthetic"] = time.monotonic() - mark
+    features = fid.FIDFeatures(spec.fid_weights, device, random_weights=spec.fid_random_weights)
+    scores, generated = _per_image(out_dir / IMAGES, rows, scorer, features)
+    seconds["clip_aesthetic_inception"] = time.monotonic() - mark
 
     held_out = HeldOut.of(config)
     mark = time.monotonic()
-    features = fid.FIDFeatures(spec.fid_weights, device, random_weights=spec.fid_random_weights)
-    generated = np.concatenate([features(images[i : i + 32]) for i in range(0, len(images), 32)])
     previous = eval_dir(root, spec_phase.init_from) / FEATURES if spec_phase.init_from else None
     fid_report = _fid(root, held_out, features, generated, reference_dir, spec, previous, log)
     seconds["fid"] = time.monotonic() - mark
@@ -176,12 +174,12 @@ def evaluate(
         for s in set(held_out.manifest["source"].to_pylist())
         if s in catalog.sources
     }
-    blocks = list(
+    blocks = eval_metrics.Counted(
         eval_metrics.training_blocks(
             root, held_out.by_shard(held_out.train_rows), scorer, spec.scorer, scored_with
         )
     )
-    nearest = eval_metrics.nearest_training(scores.embedding, iter(blocks), device)
+    nearest = eval_metrics.nearest_training(scores.embedding, blocks, device)
     memorised = nearest.similarity >= spec.memorisation_threshold
     seconds["memorisation"] = time.monotonic() - mark
 
@@ -214,7 +212,7 @@ def evaluate(
         metrics[name] = {
             "clip_score": float(clip[mask].mean()),
             "aesthetic": float(scores.aesthetic[mask].mean()),
-            "memorised": float(memorised[mask].mean()) if blocks else None,
+            "memorised": float(memorised[mask].mean()) if blocks.num_rows else None,
         }
     metrics["all"] |= {"fid": fid_report["fid"], "fid_reference": fid_report.get("fid_reference")}
     metrics["all"] |= losses["metrics"]
@@ -236,8 +234,8 @@ def evaluate(
         "fid": {k: v for k, v in fid_report.items() if k not in ("fid", "fid_reference")},
         "memorisation": {
             "threshold": spec.memorisation_threshold,
-            "num_training_rows": int(sum(len(b.keys) for b in blocks)),
-            "embedded_here": sorted({b.source for b in blocks if b.computed}),
+            "num_training_rows": blocks.num_rows,
+            "embedded_here": sorted(blocks.embedded_here),
             "worst": [
                 {
                     "file": rows[i]["file"],
@@ -261,6 +259,18 @@ def evaluate(
         np.save(f, generated)
     write_json_atomic(out_dir / SUMMARY, summary)
     return summary
+
+
+def _per_image(images_dir: Path, rows: list[dict], scorer, features, batch_size: int = 32):
+    """The scores and Inception features (float32 [N, 2048]) of the images, read a batch at a
+    time: memory holds a batch of images, whatever the eval set's size."""
+    parts, feats = [], []
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        images = [Image.open(images_dir / r["file"]).convert("RGB") for r in batch]
+        parts.append(eval_metrics.score_images(scorer, images, [r["prompt"] for r in batch]))
+        feats.append(features(images).astype(np.float32))
+    return eval_metrics.ImageScores.concat(parts), np.concatenate(feats)
 
 
 def _step_of(folder: Path) -> int | None:

@@ -1,10 +1,8 @@
-"""FID: the standard Inception-v3 pool features (pytorch-fid's network and weights file), their
-streamed mean and covariance, and the Frechet distance.
+"""FID: pytorch-fid's Inception-v3 pool features, their streamed moments, the Frechet distance.
 
-torchvision's own Inception-v3 is not the FID network: the TF graph that defined FID pools
-without counting padding and max-pools in its last block, and its weights are another file.
-Numbers are comparable with published FIDs only with both, and images resized to 299 the way
-pytorch-fid does (bilinear, no antialias, from [0, 1] to [-1, 1]).
+torchvision's Inception-v3 is not the FID network: the TF graph that defined FID pools without
+counting padding and max-pools in its last block, and has its own weights file. Published FIDs
+compare only with both and with pytorch-fid's resize to 299 (bilinear, no antialias, [-1, 1]).
 """
 
 from __future__ import annotations
