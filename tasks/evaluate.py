@@ -293,22 +293,24 @@ def _fid(root, held_out, features, generated, reference_dir, spec, previous, log
     mine.add(generated)
     report: dict = {"num_generated": len(generated), "num_validation": len(held_out.val_rows)}
     report["fid"] = None
-    if len(held_out.val_rows) >= 2:
+    if len(generated) < 2:  # a covariance needs two
+        log("FID skipped: the eval set makes fewer than 2 images")
+    elif len(held_out.val_rows) < 2:
+        log("FID against held-out images skipped: the phase held out fewer than 2 rows")
+    else:
         val = fid.Moments.empty(generated.shape[1])
         for (source, shard), keys in sorted(held_out.by_shard(held_out.val_rows).items()):
             images = eval_metrics.read_shard_images(root, source, shard, set(keys))
             batch = [images[k] for k in keys if k in images]
             for i in range(0, len(batch), 32):
                 val.add(features(batch[i : i + 32]))
-        report["fid"] = fid.fid(mine, val)
         report["num_validation"] = val.count
-        if previous is not None and previous.is_file():
+        report["fid"] = fid.fid(mine, val) if val.count >= 2 else None
+        if report["fid"] is not None and previous is not None and previous.is_file():
             before = fid.Moments.empty(generated.shape[1])
             before.add(np.load(previous))
             report["previous_on_this_validation"] = fid.fid(before, val)
-    else:
-        log("FID against held-out images skipped: the phase held out fewer than 2 rows")
-    if reference_dir is not None:
+    if reference_dir is not None and len(generated) >= 2:
         ref = reference_moments(root, Path(reference_dir), features, spec, log)
         report |= {"fid_reference": fid.fid(mine, ref), "reference_dir": str(reference_dir)}
         report["num_reference"] = ref.count
