@@ -42,7 +42,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 def cmd_catalog(args: argparse.Namespace) -> None:
     c = load_catalog()
     print(f"catalog {c.directory}: ok")
-    for kind in ("sources", "profiles", "datasets", "phases", "models"):
+    for kind in ("sources", "profiles", "datasets", "phases", "models", "evals"):
         print(f"  {kind}: {', '.join(getattr(c, kind))}")
 
 

@@ -74,12 +74,18 @@ def change(metric: str, value: float | None, before: float | None) -> str:
     return f"{text} {UP if delta * BETTER[metric] > 0 else DOWN}"
 
 
+def categories(summary: dict) -> list[str]:
+    """The eval set's categories in its order, then `all`."""
+    return [*summary["categories"], "all"]
+
+
 def table_rows(summary: dict, previous: dict | None) -> list[dict]:
-    """Rows of the table artifact: a category each (and `all`), a column per metric holding
+    """Rows of the table artifact: a category each, then `all`, a column per metric holding
     the value and its change."""
     columns = [c for c in COLUMNS if any(c in m for m in summary["metrics"].values())]
     rows = []
-    for category, values in summary["metrics"].items():
+    for category in categories(summary):
+        values = summary["metrics"][category]
         row = {"category": category}
         for metric in columns:
             value = values.get(metric)
@@ -99,7 +105,8 @@ def format_table(summary: dict, previous: dict | None) -> str:
     against = f" (changes against {previous['phase']})" if previous else ""
     head = f"eval {summary['phase']} on {summary['eval_set']}: {summary['num_images']} images"
     narrow = [{k: v for k, v in r.items() if k == "category" or k in PER_CATEGORY} for r in rows]
-    whole = [(k, v) for k, v in rows[-1].items() if k != "category" and k not in PER_CATEGORY]
+    (overall,) = [r for r in rows if r["category"] == "all"]
+    whole = [(k, v) for k, v in overall.items() if k != "category" and k not in PER_CATEGORY]
     lines = [head + against, _text_table(narrow), ""]
     lines += [f"{k:<15}{v}" for k, v in whole]
     return "\n".join(lines)
@@ -108,7 +115,7 @@ def format_table(summary: dict, previous: dict | None) -> str:
 def format_compare(a: dict, b: dict) -> str:
     """Two phases side by side, per category and metric: a, b and the change from a to b."""
     rows = []
-    for category in dict.fromkeys([*a["metrics"], *b["metrics"]]):
+    for category in dict.fromkeys([*categories(a), *categories(b)]):
         for metric in COLUMNS:
             va = a["metrics"].get(category, {}).get(metric)
             vb = b["metrics"].get(category, {}).get(metric)

@@ -226,6 +226,7 @@ def evaluate(
         "ema": spec.use_ema,
         "step": _step_of(folder),
         "num_images": len(rows),
+        "categories": [c.name for c in spec.categories],  # in order (the JSON's keys are sorted)
         "seeds": list(spec.seeds),
         "num_steps": spec.num_steps,
         "metrics": metrics,

@@ -28,6 +28,7 @@ def summary_of(phase: str, previous: str | None, clip: float, fid: float, loss: 
     return {
         "phase": phase,
         "eval_set": "default",
+        "categories": ["forest"],
         "previous": previous,
         "num_images": 40,
         "metrics": metrics,
@@ -61,7 +62,7 @@ def test_compare_prints_two_phases_side_by_side(tmp_path, capsys):
         folder = tmp_path / "runs" / phase / "eval"
         folder.mkdir(parents=True)
         summary = summary_of(phase, None, clip=clip, fid=40.0, loss=0.12)
-        (folder / evaluate.SUMMARY).write_text(json.dumps(summary))
+        (folder / evaluate.SUMMARY).write_text(json.dumps(summary, sort_keys=True))
     assert cli.main(["--data-root", str(tmp_path), "eval", "--compare", "6", "phase-7"]) == 0
     out = capsys.readouterr().out
     header, *lines = out.splitlines()

@@ -24,7 +24,7 @@ from sdtrain.data import PhaseSet, split_rows
 from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
 from sdtrain.sampling import encode_text, load_networks
 from sdtrain.validation import BANDS, row_losses
-from tasks import eval_metrics, evaluate, fid
+from tasks import eval_metrics, eval_report, evaluate, fid
 from tasks.score import load_scorer
 from tests.tasks import eval_data
 
@@ -63,7 +63,15 @@ def test_every_prompt_and_seed_is_made_scored_and_averaged_per_category(evaluate
         assert values["memorised"] == pytest.approx(np.mean([r["memorised"] for r in rows]))
     for r in table:  # the per-image score is torchmetrics' definition of the stored cosine
         assert r["clip_score"] == pytest.approx(max(100 * r["clip_cosine"], 0))
-    assert json.loads((out / evaluate.SUMMARY).read_text()) == summary
+    on_disk = json.loads((out / evaluate.SUMMARY).read_text())
+    assert on_disk == summary
+    # The text table (make demo, sdpipe eval) from the file: the eval set's order, `all` last,
+    # then the whole set's numbers.
+    lines = eval_report.format_table(on_disk, None).splitlines()
+    assert [line.split()[0] for line in lines[2:12]] == [*on_disk["categories"], "all"]
+    assert on_disk["categories"] == [c.name for c in spec.categories]
+    (fid_line,) = [line for line in lines if line.startswith("fid ")]
+    assert fid_line.split()[1] == eval_report.fmt("fid", summary["metrics"]["all"]["fid"])
 
 
 def test_fid_is_against_the_held_out_rows_images(evaluated):
