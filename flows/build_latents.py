@@ -34,16 +34,26 @@ from tasks import (
     views,
 )
 from tasks.metadata import SourceError
+from tasks.score import ScoringWeightsError
 from tasks.shards import read_stats, summarize
 
 STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
 
 
-def preflight(source_name: str) -> tuple[Catalog, Source]:
-    """Everything checkable before any work: the catalog, the source and its location."""
+def preflight(source_name: str, root: Path) -> tuple[Catalog, Source]:
+    """Everything checkable before any work, each failing in one line that says what to do: the
+    catalog, the source and its location, the scoring weights its profile needs (before index
+    and repack spend hours), and a build profile edited since its rows were selected."""
     catalog = load_catalog()
     source = catalog.source(source_name)
     metadata.check_source(source)
+    profile = catalog.profile(source.profile)
+    if profile.scorer:
+        spec = catalog.scorer(profile.scorer)
+        if not spec.random_weights:
+            score.check_weights(spec)
+    for stage in ("filtered", "selected"):
+        filter.check_profile(root, source.name, stage, profile)
     return catalog, source
 
 
@@ -70,9 +80,9 @@ def build_latents(source: str = "demo", data_root: str | None = None, hf_dataset
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
-        catalog, src = preflight(source)
+        catalog, src = preflight(source, root)
         run_source(root, catalog, src, hf_dataset=hf_dataset)
-    except (CatalogError, SourceError, StageFailed) as e:
+    except (CatalogError, SourceError, ScoringWeightsError, StageFailed) as e:
         logger.error(str(e))
         return Failed(message=str(e))
     summary = source_summary(root, source)
@@ -90,16 +100,22 @@ def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = 
     model = catalog.model(src.model)
     scored = bool(profile.scorer)
     failures: list[str] = []
+    permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
 
     def stage(
         stage_name: str, units: dict, *, needs_all: bool = False, inputs: dict | None = None
     ) -> dict[str, dict]:
         if needs_all and failures:
             raise StageFailed(
-                f"{DISPLAY[stage_name]} needs every shard before it: " + _failed(failures)
+                f"{DISPLAY[stage_name]} needs every shard before it: "
+                + _failed(failures, permanent)
             )
         done, failed = run_stage(root, name, stage_name, units, inputs)
-        failures.extend(f"{DISPLAY[stage_name]}-{name}-{s}" for s in sorted(failed))
+        for s in sorted(failed):
+            unit = f"{DISPLAY[stage_name]}-{name}-{s}"
+            failures.append(unit)
+            if failed[s].startswith("cannot succeed on a retry"):
+                permanent.append(f"{unit} {failed[s]}")
         return done
 
     if src.kind in ("archive", "folder"):
@@ -148,7 +164,7 @@ def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = 
         },
     )
     if failures:
-        raise StageFailed(_failed(failures))
+        raise StageFailed(_failed(failures, permanent))
 
 
 def select_pixels(root: Path, name: str, profile, *, scored: bool):
@@ -224,9 +240,18 @@ def archive_stages(root: Path, src: Source, profile, stage) -> tuple[list[str], 
     return shard_names, fetched
 
 
-def _failed(failures: list[str]) -> str:
+def _failed(failures: list[str], permanent: list[str]) -> str:
+    """The flow's one-line failure: what a retry cannot fix first, in its own words."""
+    shown = ", ".join(failures[:10]) + (
+        f" and {len(failures) - 10} more" if len(failures) > 10 else ""
+    )
+    if permanent:
+        return (
+            f"{permanent[0]} ({len(failures)} shard task(s) failed: {shown}; the rest are done "
+            "and cached)"
+        )
     return (
-        f"{len(failures)} shard task(s) failed ({', '.join(failures)}); the rest are done "
+        f"{len(failures)} shard task(s) failed ({shown}); the rest are done "
         "and cached: retry the flow run to rerun only these"
     )
 

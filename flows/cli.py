@@ -24,6 +24,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from sdtrain.sampling import WeightsNotFound
     from tasks.metadata import SourceError
     from tasks.mix import MixError
+    from tasks.score import ScoringWeightsError
 
     return (
         CatalogError,
@@ -35,6 +36,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
         CheckpointError,
         LocalServerError,
         DemoFailed,
+        ScoringWeightsError,
         *EVAL_ERRORS,
     )
 
@@ -50,7 +52,7 @@ def cmd_build_latents(args: argparse.Namespace) -> int:
     from flows import progress
     from flows.build_latents import build_latents, preflight
 
-    preflight(args.source)
+    preflight(args.source, data_root(args.data_root))
     with progress.watch(data_root(args.data_root), sources=[args.source]):
         state = build_latents(
             source=args.source,

@@ -13,6 +13,7 @@ bench/orchestration.py, infra/scale_out_local.py): `env` adds settings such as
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import psutil
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORK_POOL = "sdpipe"
@@ -62,11 +65,32 @@ def healthy(url: str) -> bool:
         return False
 
 
-def _alive(pid_file: Path) -> bool:
+def _recorded(pid_file: Path) -> tuple[int, float | None] | None:
+    """(pid, start time) from a pid file (older files hold the pid alone), or None."""
     try:
-        os.kill(int(pid_file.read_text()), 0)
-        return True
-    except (OSError, ValueError):
+        text = pid_file.read_text().strip()
+        if text.startswith("{"):
+            record = json.loads(text)
+            return int(record["pid"]), float(record["started"])
+        return int(text), None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _alive(pid_file: Path) -> bool:
+    """Whether the process a pid file names is still the one this data root started: same pid
+    and same start time (after a reboot or a long uptime the pid may be another process's),
+    or, for pid files without a start time, a process that runs prefect."""
+    recorded = _recorded(pid_file)
+    if recorded is None:
+        return False
+    pid, started = recorded
+    try:
+        proc = psutil.Process(pid)
+        if started is not None:
+            return abs(proc.create_time() - started) < 0.01
+        return any("prefect" in part for part in proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
 
 
@@ -82,7 +106,10 @@ def _start(name: str, command: list[str], root: Path, env: dict[str, str]) -> in
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    (prefect_dir(root) / f"{name}.pid").write_text(str(proc.pid))
+    started = psutil.Process(proc.pid).create_time()
+    (prefect_dir(root) / f"{name}.pid").write_text(
+        json.dumps({"pid": proc.pid, "started": started})
+    )
     return proc.pid
 
 
@@ -185,7 +212,7 @@ def stop(root: Path, only: tuple[str, ...] | None = None) -> list[str]:
     for name in only or (*workers, "server"):
         pid_file = prefect_dir(root) / f"{name}.pid"
         if _alive(pid_file):
-            pid = int(pid_file.read_text())
+            pid = _recorded(pid_file)[0]
             os.killpg(pid, signal.SIGTERM)
             for _ in range(100):
                 with contextlib.suppress(ChildProcessError):

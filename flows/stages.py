@@ -58,6 +58,34 @@ class StageFailed(Exception):
     """Some shards of a stage failed; the others finished and are cached."""
 
 
+def not_retryable() -> tuple[type[Exception], ...]:
+    """Failures a retry cannot fix; their messages say what will (the file to get, the folder to
+    delete, the setting to change). Prefect does not retry them, and the flow leads with them."""
+    from catalog import CatalogError
+    from sdtrain.models import ModelLoadError
+    from tasks.adapters.base import SourceLayoutError
+    from tasks.score import ScoringWeightsError
+
+    return (CatalogError, ModelLoadError, ScoringWeightsError, SourceLayoutError)
+
+
+def _retry_unless_permanent(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except not_retryable():
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def failure_message(error: BaseException) -> str:
+    """One line for a failed unit: the error itself where a retry cannot fix it."""
+    if isinstance(error, not_retryable()):
+        return f"cannot succeed on a retry: {error}"
+    return f"{type(error).__name__}: {error}"
+
+
 def _root_id(root: str) -> str:
     return hashlib.sha1(root.encode()).hexdigest()[:10]
 
@@ -140,7 +168,10 @@ def run_stage(
     export_secrets()  # HF token for gated sources: env or Secret block, masked in logs
     name = DISPLAY[stage]
     configured = shard_task.with_options(
-        retries=IO_STAGES.get(stage, 0), retry_delay_seconds=2, result_storage=result_storage(root)
+        retries=IO_STAGES.get(stage, 0),
+        retry_delay_seconds=2,
+        retry_condition_fn=_retry_unless_permanent,
+        result_storage=result_storage(root),
     )
     progress_id = create_progress_artifact(
         0.0, key=f"{source}-{name}-progress", description=f"{name} {source}: shards done"
@@ -168,7 +199,7 @@ def run_stage(
         try:
             done[shard] = future.result()
         except Exception as e:  # a shard's failure is reported; the other shards go on
-            failed[shard] = f"{type(e).__name__}: {e}"
+            failed[shard] = failure_message(e)
             logger.error("%s %s/%s failed: %s", name, source, shard, failed[shard])
         finished = len(done) + len(failed)
         # At most one update a second (and the last): one API call per shard would cost more

@@ -70,3 +70,61 @@ def test_phase_before_its_predecessor(tmp_path):
     assert_one_line_error(
         sdpipe("curriculum", "phase-2", cwd=tmp_path), "phase-1", "run curriculum/phase-1 first"
     )
+
+
+def test_missing_scoring_weights_fail_before_any_work(tmp_path, small_catalog):
+    # A source whose profile needs LAION's scorers, without their files: the one line names
+    # each missing file and where to get it, before index and repack would spend hours.
+    import shutil
+
+    import yaml
+
+    catalog = tmp_path / "my-catalog"
+    shutil.copytree(small_catalog, catalog)
+    profiles = yaml.safe_load((catalog / "profiles.yaml").read_text())
+    profiles["demo"]["scorer"] = "laion-scoring"
+    (catalog / "profiles.yaml").write_text(yaml.safe_dump(profiles))
+    done = sdpipe("build-latents", "demo", cwd=tmp_path, catalog=catalog)
+    assert_one_line_error(
+        done, "weights file(s) not found", "sac+logos+ava1-l14-linearMSE.pth", "improved-aesthetic"
+    )
+    assert not (tmp_path / "data" / "demo").exists()
+
+
+def test_an_edited_build_profile_fails_before_any_work(tmp_path):
+    # The source's rows were selected under other settings: the line names the change and
+    # the folders to delete, instead of "retry the flow run".
+    from dataclasses import asdict
+
+    from catalog import load_catalog
+    from tasks import filter as filter_stage
+    from tasks.shards import ShardStats, stats_path, write_json_atomic
+
+    profile = load_catalog().profile("demo")
+    record = ShardStats(stage="filtered", source="demo", shard="all")
+    record.extra = {"profile_settings": filter_stage.profile_settings(profile) | {"min_side": 64}}
+    write_json_atomic(stats_path(tmp_path / "data", "demo", "filtered", "all"), asdict(record))
+    assert_one_line_error(
+        sdpipe("build-latents", "demo", cwd=tmp_path), "min_side: 64 -> 128", "delete"
+    )
+
+
+def test_a_failure_no_retry_can_fix_leads_the_flows_message():
+    from prefect.states import Failed
+
+    from flows.build_latents import _failed
+    from flows.stages import _retry_unless_permanent, failure_message
+    from tasks.score import ScoringWeightsError
+
+    missing = ScoringWeightsError("scoring model 'x': weights file(s) not found: a (get b)")
+    line = failure_message(missing)
+    assert line == f"cannot succeed on a retry: {missing}"
+    assert failure_message(OSError("connection reset")) == "OSError: connection reset"
+    units = ["score-laion-00003", "score-laion-00007"]
+    message = _failed(units, [f"score-laion-00003 {line}"])
+    assert message.startswith("score-laion-00003 cannot succeed on a retry: scoring model 'x'")
+    assert "retry the flow run" not in message and "2 shard task(s) failed" in message
+    assert "retry the flow run" in _failed(units, [])
+    # Prefect's retries skip what cannot succeed, and retry the rest.
+    assert not _retry_unless_permanent(None, None, Failed(data=missing))
+    assert _retry_unless_permanent(None, None, Failed(data=OSError("reset")))

@@ -69,6 +69,7 @@ def test_a_whole_stage_unit_removes_what_a_killed_run_left(tmp_path):
         "00002.parquet",
         "waterfall.json",
         "gallery.html",
+        "gallery.md",
     }
     # Losing one of its shards undoes the whole unit: it runs again and writes it back.
     (out / "00001.parquet").unlink()
