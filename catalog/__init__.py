@@ -1,12 +1,24 @@
 """The catalog: typed sources, filter profiles, datasets, phases and models, read from YAML."""
 
 from catalog.loader import Catalog, CatalogError, catalog_dir, load_catalog
-from catalog.schema import Dataset, FilterProfile, Finetune, MixEntry, Model, Phase, Source
+from catalog.schema import (
+    Dataset,
+    EvalCategory,
+    EvalSet,
+    FilterProfile,
+    Finetune,
+    MixEntry,
+    Model,
+    Phase,
+    Source,
+)
 
 __all__ = [
     "Catalog",
     "CatalogError",
     "Dataset",
+    "EvalCategory",
+    "EvalSet",
     "FilterProfile",
     "Finetune",
     "MixEntry",

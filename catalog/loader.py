@@ -18,7 +18,16 @@ from typing import Any, Literal
 
 import yaml
 
-from catalog.schema import Dataset, FilterProfile, Finetune, Model, Phase, ScoringModel, Source
+from catalog.schema import (
+    Dataset,
+    EvalSet,
+    FilterProfile,
+    Finetune,
+    Model,
+    Phase,
+    ScoringModel,
+    Source,
+)
 
 PACKAGED_DIR = Path(__file__).parent
 FILES = {
@@ -28,8 +37,11 @@ FILES = {
     "phases": ("phases.yaml", Phase),
     "models": ("models.yaml", Model),
     "finetunes": ("finetunes.yaml", Finetune),
+    "evals": ("eval.yaml", EvalSet),
 }
-OPTIONAL_FILES = ("finetunes",)  # catalogs written before fine-tunes existed have none
+# A catalog folder of an older sdpipe has no finetunes.yaml or eval.yaml.
+OPTIONAL = {"finetunes", "evals"}
+SELECT_BY = ("clip_score", "aesthetic", "fid", "memorised", "val_loss")
 
 
 # Lower bounds of the optional training settings of a phase (null: the trainer's default).
@@ -74,6 +86,7 @@ class Catalog:
     directory: Path
     scorers: dict[str, ScoringModel] = dataclasses.field(default_factory=dict)
     finetunes: dict[str, Finetune] = dataclasses.field(default_factory=dict)
+    evals: dict[str, EvalSet] = dataclasses.field(default_factory=dict)
 
     def source(self, name: str) -> Source:
         return self._lookup("sources", "source", name)
@@ -98,6 +111,9 @@ class Catalog:
 
     def finetune(self, name: str) -> Finetune:
         return self._lookup("finetunes", "fine-tune", name)
+
+    def eval_set(self, name: str) -> EvalSet:
+        return self._lookup("evals", "eval set", name)
 
     def scorer(self, name: str) -> ScoringModel:
         if name not in self.scorers:
@@ -127,7 +143,7 @@ def load_catalog(directory: str | Path | None = None) -> Catalog:
     loaded: dict[str, dict] = {}
     for kind, (filename, cls) in FILES.items():
         path = directory / filename
-        if not path.is_file() and kind in OPTIONAL_FILES:
+        if not path.is_file() and kind in OPTIONAL:
             loaded[kind] = {}
             continue
         if not path.is_file():
@@ -357,6 +373,34 @@ def _check_references(c: Catalog) -> None:
                 raise CatalogError(f"{where}.{fld}: must be >= {low}, got {value!r}")
     for f in c.finetunes.values():
         check_finetune(f, d / "finetunes.yaml")
+    for e in c.evals.values():
+        where = f"{d / 'eval.yaml'}: {e.name}"
+        if e.scorer not in c.scorers:
+            raise CatalogError(f"{where}.scorer: unknown scoring model {e.scorer!r}")
+        if not e.categories or not all(cat.prompts for cat in e.categories):
+            raise CatalogError(f"{where}.categories: every category needs at least one prompt")
+        if len({cat.name for cat in e.categories}) != len(e.categories):
+            raise CatalogError(f"{where}.categories: category names must be distinct")
+        if not e.seeds or len(set(e.seeds)) != len(e.seeds):
+            raise CatalogError(f"{where}.seeds: at least one, all distinct, got {list(e.seeds)}")
+        if not e.fid_random_weights and not e.fid_weights:
+            raise CatalogError(f"{where}.fid_weights: required unless fid_random_weights is true")
+        if e.select_by not in SELECT_BY:
+            raise CatalogError(
+                f"{where}.select_by: one of {', '.join(SELECT_BY)}, got {e.select_by!r}"
+            )
+        if not 0 < e.memorisation_threshold <= 1:
+            raise CatalogError(f"{where}.memorisation_threshold: must be within (0, 1]")
+        for fld in ("num_steps", "batch_size"):
+            if getattr(e, fld) < 1:
+                raise CatalogError(f"{where}.{fld}: must be >= 1, got {getattr(e, fld)!r}")
+    if c.evals:
+        for p in c.phases.values():
+            if p.eval_set and p.eval_set not in c.evals:
+                raise CatalogError(
+                    f"{d / 'phases.yaml'}: {p.name}.eval_set: unknown eval set {p.eval_set!r} "
+                    f"(eval.yaml has: {', '.join(sorted(c.evals))})"
+                )
     for m in c.models.values():
         where = f"{d / 'models.yaml'}: {m.name}"
         for net in ("unet", "vae", "text"):

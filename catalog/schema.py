@@ -138,6 +138,8 @@ class Phase:
     validate_every: int | None = None  # validation loss + `best` checkpoint every N steps
     log_every: int | None = None
     sample_every: int | None = None
+    # The eval set (eval.yaml) the phase is evaluated on after training; "": not evaluated.
+    eval_set: str = "default"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -240,3 +242,39 @@ class Finetune:
     channels_last: bool = True
     gradient_checkpointing: bool = True
     num_gpus: int = 1  # devices of the node's GPU pool a run holds (a sweep's runs share them)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EvalCategory:
+    """A category of an eval set: its prompts and the CFG scale they are generated at."""
+
+    name: str
+    prompts: tuple[str, ...]
+    guidance_scale: float = 7.5
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EvalSet:
+    """What a phase is evaluated on (eval.yaml): prompts per category x fixed seeds, generated
+    as the recipe samples (DDIM, EMA weights, the run's negative prompt unless set), scored by
+    the `scorer`'s ViT-L/14 and aesthetic head, FID by the Inception weights file `fid_weights`
+    (relative: under `SDPIPE_WEIGHTS`) unless `fid_random_weights` (tests, the demo)."""
+
+    name: str
+    description: str = ""
+    categories: tuple[EvalCategory, ...]
+    seeds: tuple[int, ...] = (0, 1)
+    num_steps: int = 100
+    use_ema: bool = True
+    negative_prompt: str | None = None  # None: the run's own (what its sample grids used)
+    batch_size: int = 8
+    scorer: str = "laion-scoring"
+    fid_weights: str = ""
+    fid_random_weights: bool = False
+    # A generation whose nearest training image (embedding cosine) is at least this is counted
+    # as memorised.
+    memorisation_threshold: float = 0.95
+    num_worst_pairs: int = 8  # generation / nearest training image pairs shown
+    # The metric `sdpipe eval --checkpoints` picks the phase's best checkpoint by:
+    # clip_score, aesthetic (higher is better), fid, memorised, val_loss (lower is better).
+    select_by: str = "clip_score"

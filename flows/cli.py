@@ -17,6 +17,7 @@ from tasks.shards import data_root
 def _user_errors() -> tuple[type[Exception], ...]:
     from flows.curriculum import PhaseNotReady
     from flows.demo import DemoFailed
+    from flows.evaluate import USER_ERRORS as EVAL_ERRORS
     from flows.local import LocalServerError
     from sdtrain.checkpoint import CheckpointError
     from sdtrain.models import ModelLoadError
@@ -36,13 +37,14 @@ def _user_errors() -> tuple[type[Exception], ...]:
         LocalServerError,
         DemoFailed,
         ScoringWeightsError,
+        *EVAL_ERRORS,
     )
 
 
 def cmd_catalog(args: argparse.Namespace) -> None:
     c = load_catalog()
     print(f"catalog {c.directory}: ok")
-    for kind in ("sources", "profiles", "datasets", "phases", "models"):
+    for kind in ("sources", "profiles", "datasets", "phases", "models", "evals"):
         print(f"  {kind}: {', '.join(getattr(c, kind))}")
 
 
@@ -219,6 +221,64 @@ def _add_finetune_parser(sub) -> None:
     )
     p.add_argument("--wait", action="store_true", help="with --sweep: wait for the runs to end")
     p.set_defaults(fn=cmd_finetune)
+
+
+# ---- sdpipe eval ------------------------------------------------------------------------------
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a phase here (the eval flow), or print two phases' evals side by side."""
+    from tasks import eval_report
+
+    root = data_root(args.data_root)
+    if args.compare:
+        catalog = load_catalog()
+        found = [(p, eval_report.read_summary(root, catalog.phase(p).name)) for p in args.compare]
+        if missing := [p for p, s in found if s is None]:
+            print(f"sdpipe: error: no eval of {', '.join(missing)} under {root / 'runs'} "
+                  "(sdpipe eval --phase N makes one)", file=sys.stderr)  # fmt: skip
+            return 2
+        print(eval_report.format_compare(found[0][1], found[1][1]))
+        return 0
+    from flows.evaluate import evaluate_phase, preflight
+
+    name = preflight(args.phase, root)
+    state = evaluate_phase(
+        phase=name,
+        data_root=args.data_root,
+        reference_dir=str(args.reference.absolute()) if args.reference else None,
+        checkpoints=args.checkpoints,
+        num_devices=args.devices,
+        return_state=True,
+    )
+    if code := _report(state):
+        return code
+    summary = state.result()
+    previous = eval_report.read_summary(root, summary["previous"]) if summary["previous"] else None
+    print(eval_report.format_table(summary, previous))
+    print(f"images, scores, summary: {root / 'runs' / name / 'eval'}")
+    return 0
+
+
+def _add_eval_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a trained phase on its eval set (CLIP score, aesthetic, FID, "
+        "memorisation, validation loss by band, per category), or compare two phases' evals",
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--phase", help="phase-N, N, or demo: evaluate its final weights")
+    what.add_argument(
+        "--compare", nargs=2, metavar=("PHASE_A", "PHASE_B"), help="print two evals side by side"
+    )
+    p.add_argument("--reference", type=Path, help="also FID against this folder of images")
+    p.add_argument(
+        "--checkpoints",
+        action="store_true",
+        help="also every kept checkpoint; link the best by the eval set's select_by metric",
+    )
+    p.add_argument("--devices", type=int, help="workers (default: every device of this node)")
+    p.set_defaults(fn=cmd_eval)
 
 
 def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
@@ -408,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, help="workers (default: every device of this node)")
     p.set_defaults(fn=cmd_generate)
     _add_finetune_parser(sub)
+    _add_eval_parser(sub)
     sub.add_parser(
         "demo", help="the whole chain on the demo source through deployments"
     ).set_defaults(fn=cmd_demo)

@@ -3,7 +3,8 @@
 The plan (requested vs available per dataset, steps, disk, ETA) is published first and a phase
 short of data fails there, before any training. While the phase's run has checkpoints, its
 phase set is reused, so a resume trains on the rows it started on. Phase N starts from phase
-N-1's final weights and the flow refuses to start before they exist.
+N-1's final weights and the flow refuses to start before they exist. After training, the phase is
+evaluated on its eval set (flows/evaluate.py), whose networks are checked before training starts.
 Trainer lines stream into the logs and a progress artifact. A training holds the slots of its
 node's GPU pool (flows/pools.py: the global concurrency limit `sdpipe-gpu-<pool>`) for every
 GPU it uses, so it never shares GPUs with score/encode shards or another training. A failed
@@ -28,7 +29,7 @@ from prefect.artifacts import (
 from prefect.states import Failed
 
 from catalog import Catalog, CatalogError, Phase, load_catalog
-from flows import pools, train_pictures
+from flows import evaluate, pools, train_pictures
 from flows.credentials import export_secrets
 from tasks import mix, plan, shards
 from tasks.train import TrainingFailed, launch_training, train_config_for_phase
@@ -53,6 +54,7 @@ def preflight(phase_name: str, root: Path) -> tuple[Catalog, Phase, str]:
                 f"({final}); run curriculum/{phase.init_from} first"
             )
         init_from = str(final)
+    evaluate.check_networks(catalog, phase.name)  # missing now, not after the training
     return catalog, phase, init_from
 
 
@@ -170,7 +172,8 @@ def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project:
             plan_task(root, catalog, spec)
         report = mix_task(root, catalog, spec)
         summary = train_task(root, spec, init_from, wandb_project)
-    except (CatalogError, PhaseNotReady, mix.MixError, TrainingFailed) as e:
+        scores = evaluate.eval_task(root, spec.name) if spec.eval_set else None
+    except (CatalogError, PhaseNotReady, mix.MixError, TrainingFailed, *evaluate.USER_ERRORS) as e:
         logger.error(str(e))
         return Failed(message=str(e))
     create_markdown_artifact(
@@ -187,6 +190,11 @@ def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project:
                 f"- final weights (live + EMA): `{summary['checkpoint']}`",
                 f"- best checkpoint: `{summary['best_checkpoint']}`",
                 f"- sample grid (EMA): `{summary['sample_grid']}`",
+                f"- eval ({spec.eval_set}): artifacts `{evaluate.artifact_key(spec.name, 'table')}`"
+                f", `{evaluate.artifact_key(spec.name, 'grid')}`; mean CLIP score "
+                f"{scores['metrics']['all']['clip_score']:.2f}"
+                if scores
+                else "- eval: none (the phase names no eval set)",
                 "",
                 train_pictures.markdown(root / "runs" / spec.name, "## Loss and final samples"),
             ]

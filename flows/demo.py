@@ -1,8 +1,9 @@
 """`make demo`: the whole chain on the demo source, through real deployments and a worker.
 
 Starts (if absent) a local Prefect server and worker for the data root, deploys prefect.yaml,
-runs `prefect deployment run build-latents/demo` then `curriculum/demo`, waits for both and
-prints what happened to every sample, read from the stats records on disk.
+runs `prefect deployment run build-latents/demo` then `curriculum/demo` (training, then the
+eval), waits for both and prints what happened to every sample, read from the stats records on
+disk, and the eval's table.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from flows import local, progress
 from flows.build_latents import source_summary
 from flows.stages import DISPLAY
+from tasks import eval_report
 from tasks.shards import data_root
 
 DEFAULT_PORT = 4200
@@ -64,6 +66,16 @@ def format_summary(root: Path, port: int, seconds: float) -> str:
         f"{summary['first_loss']:.4f} (first step) -> {summary['last_loss']:.4f} (last step)",
         f"checkpoint: {summary['checkpoint']}",
         f"sample grid: {summary['sample_grid']}",
+    ]
+    if scores := eval_report.read_summary(root, "demo"):
+        lines += [
+            "",
+            eval_report.format_table(scores, None),
+            f"eval: {scores['num_images']} images, {scores['num_steps']} DDIM steps, random-weight "
+            "scorer and Inception: the numbers are noise, the machinery is real; "
+            f"{root / 'runs' / 'demo' / 'eval'}",
+        ]
+    lines += [
         "",
         f"dashboard: http://127.0.0.1:{port}  (flow runs, task runs per shard, artifacts)",
         "the server and worker keep running; stop them with: make stop",

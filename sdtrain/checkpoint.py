@@ -6,7 +6,8 @@ config and checksums.json (written last). Files are written side by side in thre
 hashed and fsynced, and the folder is renamed into place, so a kill at any moment leaves the
 previous checkpoint whole and pointed to by the `latest` / `best` links. Nothing here unpickles:
 a run folder on shared storage cannot run code on the ranks that resume from it.
-Policy as seed 002: rolling, periodic, best.
+Policy as seed 002: rolling, periodic, best; plus the checkpoint an eval metric chose
+(`best-by-<metric>`, pointed by `sdpipe eval --checkpoints`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tasks.shards import (
 # Wrappers that prefix parameter names: DDP, torch.compile, pipelines, FSDP.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "unet.", "_fsdp_wrapped_module.")
 CHECKSUMS = "checksums.json"
+BEST_BY = "best-by-"  # link prefix: `best-by-clip_score` is the checkpoint that metric chose
 EMA_FILE = "ema.json"  # {"ema_step": optimizer steps the EMA has averaged, across phases}
 
 
@@ -260,9 +262,17 @@ class KeepPolicy:
             or (self.keep_every > 0 and step % self.keep_every == 0)
         )
 
-    def to_keep(self, steps: list[int], *, latest: int, best: int | None) -> set[int]:
+    def to_keep(
+        self,
+        steps: list[int],
+        *,
+        latest: int,
+        best: int | None,
+        best_by_metric: set[int] = frozenset(),
+    ) -> set[int]:
+        """`best_by_metric`: steps an eval metric chose (kept as long as a link names them)."""
         periodic = {s for s in steps if self.keep_every > 0 and s % self.keep_every == 0}
-        return periodic | {latest} | ({best} if best is not None else set())
+        return periodic | {latest} | ({best} if best is not None else set()) | best_by_metric
 
 
 class CheckpointDir:
@@ -286,8 +296,9 @@ class CheckpointDir:
     def latest(self) -> Path | None:
         return self._resolve("latest")
 
-    def best(self) -> Path | None:
-        return self._resolve("best")
+    def best(self, metric: str | None = None) -> Path | None:
+        """The best checkpoint by validation loss, or by an eval `metric` once one chose."""
+        return self._resolve("best" if metric is None else BEST_BY + metric)
 
     def resume_point(self) -> Path | None:
         """The checkpoint to resume from: `latest`, or if it is corrupt or missing while step
@@ -322,16 +333,19 @@ class CheckpointDir:
         self.prune()
         return directory
 
-    def point_best(self, step: int) -> None:
-        self._link("best", self.step_dir(step))
+    def point_best(self, step: int, metric: str | None = None) -> None:
+        """Point `best` (validation loss) or `best-by-<metric>` at a step's checkpoint."""
+        self._link("best" if metric is None else BEST_BY + metric, self.step_dir(step))
         self.prune()
 
     def prune(self) -> None:
         latest, best = self.latest(), self.best()
+        chosen = [self._resolve(p.name) for p in self.root.glob(BEST_BY + "*")]
         keep = self.policy.to_keep(
             self.steps(),
             latest=int(latest.name[5:]) if latest else -1,
             best=int(best.name[5:]) if best else None,
+            best_by_metric={int(p.name[5:]) for p in chosen if p is not None},
         )
         for step in self.steps():
             if step not in keep:

@@ -1,4 +1,5 @@
-"""prefect.yaml declares one deployment per catalog source, phase and fine-tune, and
+"""prefect.yaml declares one deployment per catalog source, phase (curriculum and eval) and
+fine-tune, and
 generate/default, for the sdpipe pool."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def test_every_source_and_phase_is_deployed():
             "flows/curriculum.py:curriculum": "curriculum",
             "flows/generate.py:generate": "generate",
             "flows/finetune.py:finetune": "finetune",
+            "flows/evaluate.py:evaluate_phase": "eval",
         }[d["entrypoint"]]
         by_flow.setdefault(flow, set()).add(d["name"])
         assert d["work_pool"]["name"] == WORK_POOL
@@ -32,6 +34,7 @@ def test_every_source_and_phase_is_deployed():
             "build-latents": {"source": d["name"]},
             "curriculum": {"phase": d["name"]},
             "finetune": {"name": d["name"]},
+            "eval": {"phase": d["name"]},
         }
         assert d["parameters"] == names.get(flow, {})
     assert by_flow["build-latents"] == set(catalog.sources)
@@ -39,3 +42,4 @@ def test_every_source_and_phase_is_deployed():
     assert {f"phase-{i}" for i in range(1, 8)} | {"demo"} == by_flow["curriculum"]
     assert by_flow["generate"] == {"default"}
     assert by_flow["finetune"] == set(catalog.finetunes)
+    assert by_flow["eval"] == set(catalog.phases)

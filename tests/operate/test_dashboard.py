@@ -1,7 +1,8 @@
 """The dashboard in a real browser: headless Chromium (Debian's `chromium`) driven by Playwright
 logs in with the auth string, finds the build-latents/demo run, sees its progress and counts
-artifacts, sees the pictures of the galleries and the training render, and saves screenshots in
-the test's output folder. Nothing sdpipe writes makes a browser load an image from elsewhere."""
+artifacts, sees the pictures of the galleries, the training and the eval render, and saves
+screenshots in the test's output folder. Nothing sdpipe writes makes a browser load an image
+from elsewhere."""
 
 from __future__ import annotations
 
@@ -139,6 +140,15 @@ def test_galleries_and_training_pictures_render(
             at_least=2,
         )
         pictures(demo_training, "demo-train-summary", text="samples in the mix", at_least=2)
+        # The eval after training: one image per prompt per category, and the generations
+        # nearest a training image beside it, each decoded and drawn.
+        body = pictures(
+            demo_training, "demo-eval-grid", text="Nearest training images", at_least=9 + 1
+        )
+        assert "cyberpunk-city" in body and "full-body" in body
+        body = _open_artifact(page, shared_stack, demo_training.id, "demo-eval-table")
+        assert "clip_score" in body and "memorised" in body and "forest" in body
+        page.screenshot(path=out_dir / "demo-eval-table.png", full_page=True)
     except Exception:
         page.screenshot(path=out_dir / "failure.png", full_page=True)
         raise
@@ -170,9 +180,37 @@ def test_no_page_or_artifact_of_the_demo_loads_a_remote_image(
         )
     markdown = {a.key: a.data for a in artifacts if a.type == "markdown"}
     assert {"demo-filter-gallery", "demo-train-pictures", "demo-train-summary"} <= set(markdown)
+    assert "demo-eval-grid" in markdown
     for key, text in markdown.items():
         sources = markdown_sources(text)
         assert not_embedded(sources) == [], key
         assert len(text.encode()) < 1_000_000, key  # the artifact budget
         embedded += len(sources)
     assert embedded >= 8  # thumbnails, curves and grids: the check saw pictures
+
+
+def test_the_curriculum_demo_ends_with_an_eval_table(shared_stack, demo_training):
+    """After training, the demo phase is evaluated: a table of its nine categories (and all)
+    with CLIP score, aesthetic and memorisation, and FID and losses by band over the set."""
+    import json
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    assert demo_training.state.is_completed(), demo_training.state.message
+    with shared_stack.client() as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[demo_training.id])
+            )
+        )
+    (table,) = [a for a in artifacts if a.key == "demo-eval-table"]
+    rows = table.data if isinstance(table.data, list) else json.loads(table.data)
+    assert [r["category"] for r in rows] == [
+        "forest", "landscape", "cyberpunk-city", "vehicles", "portrait", "architecture",
+        "full-body", "animals", "food", "all",
+    ]  # fmt: skip
+    assert rows[-1]["fid"] not in ("", "n/a") and rows[-1]["val_loss_mid"] not in ("", "n/a")
+    summary = json.loads(
+        (shared_stack.root / "runs" / "demo" / "eval" / "summary.json").read_text()
+    )
+    assert summary["num_images"] == 9 and summary["metrics"]["all"]["clip_score"] >= 0

@@ -1,0 +1,236 @@
+"""The eval stage on a small data root (tests/tasks/eval_data.py): the demo eval set's images
+made by the batch generator, each image's scores and the per-category means, FID against the
+held-out rows' images, the planted memorised image found, losses by band at the trainer's fixed
+noise, the outputs on disk; a SIGKILLed eval's finished images are not made again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from catalog import load_catalog
+from sdtrain.config import TrainConfig
+from sdtrain.data import PhaseSet, split_rows
+from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
+from sdtrain.sampling import encode_text, load_networks
+from sdtrain.validation import BANDS, row_losses
+from tasks import eval_metrics, eval_report, evaluate, fid
+from tasks.score import load_scorer
+from tests.tasks import eval_data
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    root = eval_data.write_eval_root(tmp_path_factory.mktemp("data"))
+    summary = evaluate.evaluate(root, "demo", devices=["cpu"])
+    return root, summary
+
+
+def test_every_prompt_and_seed_is_made_scored_and_averaged_per_category(evaluated):
+    root, summary = evaluated
+    spec = load_catalog().eval_set("demo")
+    out = root / "runs" / "demo" / "eval"
+    table = pq.read_table(out / evaluate.SCORES).to_pylist()
+    assert len(table) == sum(len(c.prompts) for c in spec.categories) * len(spec.seeds) == 9
+    assert {r["category"] for r in table} == {c.name for c in spec.categories}
+    assert all((out / evaluate.IMAGES / r["file"]).is_file() for r in table)
+    assert {r["guidance_scale"] for r in table if r["category"] == "portrait"} == {8.5}
+    assert {r["guidance_scale"] for r in table if r["category"] == "forest"} == {7.5}
+    for category, values in summary["metrics"].items():
+        rows = [r for r in table if category in ("all", r["category"])]
+        assert values["clip_score"] == pytest.approx(np.mean([r["clip_score"] for r in rows]))
+        assert values["aesthetic"] == pytest.approx(np.mean([r["aesthetic"] for r in rows]))
+        assert values["memorised"] == pytest.approx(np.mean([r["memorised"] for r in rows]))
+    for r in table:  # the per-image score is torchmetrics' definition of the stored cosine
+        assert r["clip_score"] == pytest.approx(max(100 * r["clip_cosine"], 0))
+    on_disk = json.loads((out / evaluate.SUMMARY).read_text())
+    assert on_disk == summary
+    # The text table (make demo, sdpipe eval) from the file: the eval set's order, `all` last,
+    # then the whole set's numbers.
+    lines = eval_report.format_table(on_disk, None).splitlines()
+    assert [line.split()[0] for line in lines[2:12]] == [*on_disk["categories"], "all"]
+    assert on_disk["categories"] == [c.name for c in spec.categories]
+    (fid_line,) = [line for line in lines if line.startswith("fid ")]
+    assert fid_line.split()[1] == eval_report.fmt("fid", summary["metrics"]["all"]["fid"])
+
+
+def test_fid_is_against_the_held_out_rows_images(evaluated):
+    root, summary = evaluated
+    out = root / "runs" / "demo" / "eval"
+    _, val_rows = split_rows(eval_data.NUM_ROWS, eval_data.NUM_VAL, seed=0)
+    manifest = pq.read_table(root / "phases" / "demo" / "manifest.parquet").to_pydict()
+    keys = {manifest["key"][i] for i in val_rows}
+    images = eval_metrics.read_shard_images(root, "demo", "00000", keys)
+    features = fid.FIDFeatures("", CPU, random_weights=True)
+    generated, held_out = fid.Moments.empty(), fid.Moments.empty()
+    generated.add(np.load(out / evaluate.FEATURES))
+    held_out.add(features([images[k] for k in sorted(keys)]))
+    assert summary["fid"]["num_validation"] == eval_data.NUM_VAL
+    assert summary["metrics"]["all"]["fid"] == pytest.approx(fid.fid(generated, held_out))
+    assert summary["metrics"]["all"]["fid"] > 0
+
+
+def test_the_planted_training_copy_is_the_worst_pair(evaluated):
+    _, summary = evaluated
+    memo = summary["memorisation"]
+    assert memo["num_training_rows"] == eval_data.NUM_ROWS - eval_data.NUM_VAL
+    assert memo["embedded_here"] == []  # the demo source is scored with the eval's scorer
+    worst = memo["worst"][0]
+    assert (worst["key"], worst["category"]) == (eval_data.PLANTED, "forest")
+    assert worst["similarity"] > 0.999
+    assert [w["similarity"] for w in memo["worst"]] == sorted(
+        [w["similarity"] for w in memo["worst"]], reverse=True
+    )
+
+
+def test_an_unscored_source_is_embedded_once_from_its_images(evaluated, tmp_path):
+    root, _ = evaluated
+    catalog = load_catalog()
+    scorer = load_scorer(catalog.scorer("tiny-scoring"), CPU)
+    keys = pq.read_table(root / "phases" / "demo" / "manifest.parquet")["key"].to_pylist()[:3]
+    stored = list(
+        eval_metrics.training_blocks(root, {("demo", "00000"): keys}, scorer, "tiny-scoring",
+                                     {"demo": "tiny-scoring"})
+    )  # fmt: skip
+    computed = list(
+        eval_metrics.training_blocks(root, {("demo", "00000"): keys}, scorer, "tiny-scoring",
+                                     {"demo": ""})
+    )  # fmt: skip
+    cache = root / "demo" / eval_metrics.EMBEDDINGS / "tiny-scoring" / "00000.parquet"
+    assert cache.is_file() and computed[0].computed and not stored[0].computed
+    order = [stored[0].keys.index(k) for k in computed[0].keys]
+    np.testing.assert_allclose(
+        computed[0].embedding.astype(np.float32),
+        stored[0].embedding[order].astype(np.float32),
+        atol=2e-3,  # fp16 storage of the same embedding
+    )
+    mtime = cache.stat().st_mtime_ns
+    list(eval_metrics.training_blocks(root, {("demo", "00000"): keys}, scorer, "tiny-scoring", {}))
+    assert cache.stat().st_mtime_ns == mtime  # reused, not embedded again
+
+
+def test_band_losses_are_the_trainers_validation_loss_split_by_timestep(evaluated):
+    root, summary = evaluated
+    weights = root / "runs" / "demo" / "final"
+    networks = load_networks(weights, device=CPU)
+    phase_set = PhaseSet(root / "phases" / "demo")
+    _, val_rows = split_rows(eval_data.NUM_ROWS, eval_data.NUM_VAL, seed=0)
+    losses = row_losses(
+        networks.unet, networks.text_encoder, phase_set, val_rows,
+        seed=0, gamma=5.0, prediction_type="epsilon", batch_size=4,
+    )  # fmt: skip
+    # The trainer's loss function on the same rows, noise and timesteps, as one batch.
+    items = [phase_set[int(i)] for i in val_rows]
+    latents = torch.stack([x for x, _, _ in items])
+    noise, timesteps, _ = draw_noise(
+        torch.tensor(val_rows), seed=0, epoch=0, latent_shape=(4, 8, 8), stream=VALIDATION_STREAM
+    )
+    with torch.no_grad():
+        text = encode_text(networks.text_encoder, torch.stack([t for _, t, _ in items]))
+        trainer = diffusion_loss(
+            networks.unet, latents, text, noise, timesteps, gamma=5.0, prediction_type="epsilon"
+        )
+    assert losses.trainer_loss() == pytest.approx(float(trainer), rel=1e-5)
+    assert summary["val_loss_trainer"] == pytest.approx(float(trainer), rel=1e-5)
+    assert (losses.timesteps == timesteps.numpy()).all()
+    by_band = losses.by_band()
+    for band, (lo, hi) in BANDS.items():
+        inside = (losses.timesteps >= lo) & (losses.timesteps < hi)
+        expected = losses.mse[inside].mean() if inside.any() else None
+        assert by_band[band] == pytest.approx(expected)
+        assert summary["metrics"]["all"][f"val_loss_{band}"] == pytest.approx(expected)
+    assert summary["metrics"]["all"]["val_loss"] == pytest.approx(losses.mse.mean())
+
+
+KILLED_EVAL = """
+import sys, torch
+from pathlib import Path
+torch.set_num_threads(1)
+from tasks.evaluate import evaluate
+evaluate(Path(sys.argv[1]), "demo", devices=["cpu"])
+"""
+
+
+def test_a_killed_eval_does_not_make_its_finished_images_again(tmp_path, monkeypatch):
+    root = eval_data.write_eval_root(tmp_path / "data")
+    catalog = tmp_path / "catalog"
+    from tests.conftest import write_small_catalog
+
+    write_small_catalog(catalog)
+    spec = (catalog / "eval.yaml").read_text().replace("batch_size: 9", "batch_size: 1")
+    (catalog / "eval.yaml").write_text(spec)  # one image per chunk: a kill lands between them
+    env = {**os.environ, "SDPIPE_CATALOG": str(catalog), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_EVAL, str(root)], env=env)
+    images = root / "runs" / "demo" / "eval" / evaluate.IMAGES
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and len(list(images.glob("*.png"))) < 2:
+        assert proc.poll() is None, "the eval ended before the kill"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = {p.name: p.stat().st_ino for p in images.glob("*.png")}
+    assert 2 <= len(before) < 9
+
+    monkeypatch.setenv("SDPIPE_CATALOG", str(catalog))
+    progress = []
+    summary = evaluate.evaluate(
+        root, "demo", devices=["cpu"], on_progress=lambda done, total: progress.append(done)
+    )
+    after = {p.name: p.stat().st_ino for p in images.glob("*.png")}
+    assert {n: after[n] for n in before} == before  # the same files: not made again
+    assert progress[0] == len(before) and progress[-1] == 9 == summary["num_images"]
+    assert not (root / "runs" / "demo" / "eval" / evaluate.SUMMARY).is_symlink()
+    assert not list((root / "runs" / "demo" / "eval").glob(".*tmp*"))
+
+
+def test_checkpoint_choice_links_the_best_by_an_eval_metric(tmp_path):
+    root = tmp_path
+    phase_dir = root / "phases" / "demo"
+    eval_data.write_weights(root / "runs" / "demo" / "final", phase_dir, keep_every=2)
+    checkpoints = evaluate.run_checkpoints(root, "demo")  # the run's policy: keeps every 2nd
+    for step, offset in ((2, 10), (4, 20), (6, 0)):  # step 6 holds final's weights
+        folder = eval_data.write_weights(tmp_path / f"w{step}", phase_dir, seed_offset=offset)
+        checkpoints.save(
+            step,
+            unet=load_file(str(folder / "unet.safetensors")),
+            unet_ema=load_file(str(folder / "unet_ema.safetensors")),
+            config=TrainConfig.from_json(folder / "config.json"),
+        )
+    found = evaluate.candidates(root, "demo")
+    assert [(name, step) for name, _, step in found] == [
+        ("final", 6),
+        ("step-000002", 2),
+        ("step-000004", 4),
+    ]
+    results = [
+        {"name": "final", "step": 6, "value": 20.0},
+        {"name": "step-000002", "step": 2, "value": 31.5},
+        {"name": "step-000004", "step": 4, "value": 25.0},
+    ]
+    choice = evaluate.choose_checkpoint(root, "demo", "clip_score", results)
+    assert choice["chosen"]["name"] == "step-000002" and choice["better"] == "higher"
+    assert checkpoints.best("clip_score") == checkpoints.step_dir(2).resolve()
+    by_fid = evaluate.choose_checkpoint(root, "demo", "fid", results)
+    assert by_fid["chosen"]["name"] == "final" and by_fid["better"] == "lower"
+    assert checkpoints.best("fid") == checkpoints.step_dir(6).resolve()
+    assert json.loads((root / "runs" / "demo" / "eval" / evaluate.CHOICE).read_text()) == by_fid
