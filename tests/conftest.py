@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The GPU pool's device locks (flows/pools.py) live in /tmp/sdpipe-devices by default: one
+# folder per test process, so parallel test workers (and other checkouts' suites on this
+# machine) never wait on each other's "devices".
+os.environ.setdefault("SDPIPE_DEVICE_LOCKS", tempfile.mkdtemp(prefix="sdpipe-test-locks-"))
 
 DEMO_IMAGES = 60
 
