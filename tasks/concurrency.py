@@ -1,0 +1,53 @@
+"""How much of the node a stage uses: one setting, with per-stage defaults derived from it.
+
+- `SDPIPE_WORKERS` (also build-latents' `workers` parameter): the node's worker budget, by
+  default the cores this process may run on. CPU stages (repack, tokenize, decode pools) size
+  their process pools from it.
+- `SDPIPE_FETCH_SHARDS`: fetch-images shard tasks at once (I/O bound; each runs img2dataset
+  with its own processes and threads, see `fetch_parallelism`).
+- GPU stages (score, encode, semantic dedup) run one worker per device of the GPU pool
+  (`flows/pools.py`), not a number from here.
+
+Defaults keep a 2-core machine (CI) at 2 shards at a time, as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def cores() -> int:
+    """CPUs this process may run on (a container's or taskset's limit, not the host's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a positive integer") from None
+    if n < 1:
+        raise ValueError(f"{name}={value!r}: expected a positive integer")
+    return n
+
+
+def workers(override: int | None = None) -> int:
+    """The node's worker budget: `override` (a flow parameter), else `SDPIPE_WORKERS`, else
+    the cores."""
+    if override is not None:
+        if override < 1:
+            raise ValueError(f"workers={override}: expected a positive integer")
+        return override
+    return _env_int("SDPIPE_WORKERS") or cores()
+
+
+def fetch_shards(budget: int | None = None) -> int:
+    """fetch-images shard tasks at once: `SDPIPE_FETCH_SHARDS`, else one per 8 workers of the
+    budget (each shard's img2dataset uses several processes itself), at least 2."""
+    return _env_int("SDPIPE_FETCH_SHARDS") or max(2, workers(budget) // 8)
