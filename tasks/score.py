@@ -2,7 +2,8 @@
 
 Each network gets LAION's own preprocessing (open_clip's bicubic resize + center crop, the
 watermark model's 256x256 stretch) and its heads as published, so real weights reproduce
-LAION's numbers, not near ones. The fp16 embedding is kept for semantic dedup.
+LAION's numbers, not near ones. The fp16 embedding is kept for semantic dedup. A shard streams
+through decode -> preprocessing -> networks a few batches at a time: memory does not grow with it.
 """
 
 from __future__ import annotations
