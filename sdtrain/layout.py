@@ -1,10 +1,10 @@
 """A phase set on disk, as mix writes it and the trainer's ranks open it (numpy and Arrow only).
 
-- `manifest.parquet`: one row per sample (dataset, source, shard, latent_row, token_row, key);
+- `manifest.parquet`: one row per sample (source, shard, latent_row, token_row, key, dataset);
   its sha256 is part of a run's identity.
 - `rows.npy`: int32 [N, 3], row i = (file, latent row, token row) of manifest row i, `file`
   indexing `files.json`'s list. Ranks memory-map it: the page cache holds one copy per machine.
-- `files.json`: the files (`<source>-<shard>`, sorted), the rows each must at least have, and
+- `files.json`: the files (`<source>-<shard>`), the rows each must at least have, and
   the manifest's row count and fingerprint (a manifest rewritten since no longer matches its
   index).
 - `latents/<source>-<shard>.npy` and `tokens/<source>-<shard>.{npy,parquet}`: links into the
