@@ -176,7 +176,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
     train_rows, val_rows = split_rows(len(phase_set), config.num_val_samples, config.seed)
     sampler = EpochSampler(len(train_rows), seed=config.seed, rank=rank, world_size=world_size)
     loader = DataLoader(
-        Subset(phase_set, train_rows.tolist()),
+        Subset(phase_set, train_rows),  # an array: no Python int per row
         batch_size=config.batch_size,
         sampler=sampler,
         drop_last=True,  # equal micro-batches on every rank and every step

@@ -1,6 +1,6 @@
 """encode: a shard's images -> VAE posterior mean x scaling factor -> fp16 `latents/NNNNN.npy`.
 
-Row i of the latents is key i of the stats record's `keys` (token row `token_rows[i]`). Stages
+Row i of the latents is row i of `NNNNN.keys.arrow` (its key, token row: tasks/latent_keys). Stages
 overlap so the VAE never waits for data: I/O thread -> feeder thread -> decode processes ->
 pinned ring -> side-stream copy -> VAE. Batches never span shards and always have `batch_size`
 rows (holes zeroed), so a shard's latents are the same bits whatever was encoded before it.
@@ -30,7 +30,7 @@ import torch
 from catalog import Model
 from sdtrain.lazy import BUILD_LOCK
 from sdtrain.models import build_vae
-from tasks import images
+from tasks import images, latent_keys
 from tasks.shards import (
     ShardStats,
     atomic_path,
@@ -493,10 +493,11 @@ def _commit(root: Path, source: str, model: Model, encoded: _Encoded, stats: Sha
         np.save(f, latents)
     stats.num_out = len(kept)
     as32 = latents.astype(np.float32)
+    latent_keys.write(
+        root, source, job.shard, [job.keys[i] for i in kept], [job.token_rows[i] for i in kept]
+    )
     stats.extra = {
         "model": model.name,
-        "keys": [job.keys[i] for i in kept],
-        "token_rows": [job.token_rows[i] for i in kept],
         "latent_mean": float(as32.mean()) if kept else None,
         "latent_std": float(as32.std()) if kept else None,
         "data_wait_seconds": round(encoded.data_wait_s, 3),
@@ -631,12 +632,11 @@ def latent_qa(
     """
     device = torch.device(device) if device is not None else default_device()
     records = read_stats(root, source, STAGE)
-    rows = [(s.shard, i, key) for s in records for i, key in enumerate(s.extra["keys"])]
-    chosen = sorted(np.random.default_rng(seed).permutation(len(rows))[:num_samples])
+    chosen = latent_keys.sample(root, source, records, num_samples, seed)
     vae = vae_for(model, device)
     samples = []
-    for shard in sorted({rows[c][0] for c in chosen}):
-        picked = [rows[c] for c in chosen if rows[c][0] == shard]
+    for shard in sorted({c[0] for c in chosen}):
+        picked = [c for c in chosen if c[0] == shard]
         data = read_images(root / source / "shards" / f"{shard}.tar", {k for _, _, k in picked})
         latents = np.load(root / source / STAGE / f"{shard}.npy", mmap_mode="r")
         z = torch.from_numpy(np.stack([latents[i] for _, i, _ in picked]).astype(np.float32))
@@ -650,7 +650,7 @@ def latent_qa(
         mse = (decoded - x.permute(0, 3, 1, 2).float()).pow(2).mean(dim=(1, 2, 3))
         for (_, _, key), err in zip(picked, mse.tolist(), strict=True):
             samples.append({"shard": shard, "key": key, "psnr_db": 10 * math.log10(255**2 / err)})
-    counts = np.array([len(s.extra["keys"]) for s in records], np.float64)
+    counts = np.array([s.num_out for s in records], np.float64)
     means = np.array([s.extra["latent_mean"] or 0.0 for s in records])
     stds = np.array([s.extra["latent_std"] or 0.0 for s in records])
     total = counts.sum()

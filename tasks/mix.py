@@ -7,6 +7,11 @@ than its share fails the phase unless the phase allows it (`allow_short`). The p
 built under a hidden temporary name and swapped into place, so a reader never sees half a phase
 set; while the phase's run has checkpoints, its phase set is kept as it is (a resume trains on
 the rows it started on).
+
+Everything per sample is an Arrow or numpy column: the encoded keys are read from each shard's
+keys file (`tasks.latent_keys`), joined with the view one shard at a time, drawn by one
+permutation per dataset, and written as the manifest plus the memory-mapped row index the
+trainer's ranks share (`sdtrain.layout`).
 """
 
 from __future__ import annotations
@@ -14,58 +19,174 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from catalog import Catalog, Phase
-from tasks import views
-from tasks.shards import TMP_MARK, clean_temporaries, read_stats, replace_dir
+from sdtrain import layout
+from tasks import latent_keys, views
+from tasks.shards import TMP_MARK, clean_temporaries, replace_dir
+
+RECORD = ".stats.json"
+BATCH_ROWS = 1 << 20  # drawn rows per manifest row group (and per write handed to its thread)
 
 
 class MixError(Exception):
     """A phase's datasets have nothing encoded to draw from, or less than the phase asks for."""
 
 
-def encoded_samples(root: Path, source: str) -> pa.Table:
-    """Every encoded sample of a source: (source, shard, latent_row, token_row, key)."""
-    shards, latent_rows, token_rows, keys = [], [], [], []
-    for s in read_stats(root, source, "latents"):
-        n = len(s.extra["keys"])
-        shards += [s.shard] * n
-        latent_rows += list(range(n))
-        token_rows += s.extra["token_rows"]
-        keys += s.extra["keys"]
-    return pa.table(
-        {
-            "source": pa.array([source] * len(keys), pa.string()),
-            "shard": pa.array(shards, pa.string()),
-            "latent_row": pa.array(latent_rows, pa.int64()),
-            "token_row": pa.array(token_rows, pa.int64()),
-            "key": pa.array(keys, pa.string()),
-        }
-    )
+def encoded_shards(root: Path, source: str) -> list[tuple[str, pa.Table]]:
+    """(shard, its keys file: key, token_row) of each encoded shard (a stats record), in shard
+    order. Token rows are trusted while the shard's tokens file is the one encode saw (size,
+    mtime), else the keys are checked against that file (MixError when they differ)."""
+    folder = root / source / latent_keys.STAGE
+    if not folder.is_dir():
+        return []
+    shards = sorted(p.name[: -len(RECORD)] for p in folder.glob(f"*{RECORD}"))
+    out = []
+    for shard in shards:
+        try:
+            table = latent_keys.read(root, source, shard)
+        except FileNotFoundError as e:
+            raise MixError(str(e)) from e
+        if _tokens_differ(root, source, shard, table):
+            raise MixError(
+                f"{source}/{shard}: its tokens changed since it was encoded (keys differ at "
+                f"the encoded token rows); encode the shard again (remove "
+                f"{folder / (shard + RECORD)})"
+            )
+        out.append((shard, table))
+    return out
 
 
-def dataset_view(root: Path, catalog: Catalog, dataset: str) -> pa.Table:
+def _tokens_differ(root: Path, source: str, shard: str, table: pa.Table) -> bool:
+    """The shard's tokens file is not the one encode saw, and its keys disagree (a missing
+    tokens file is left to the phase set, which cannot open it)."""
+    if not latent_keys.tokens_path(root, source, shard).exists():
+        return False
+    if latent_keys.tokens_unchanged(root, source, shard, table):
+        return False
+    return not latent_keys.tokens_match(root, source, shard, table)
+
+
+def _dictionary(codes: np.ndarray, values: list[str]) -> pa.DictionaryArray:
+    return pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(values, pa.string()))
+
+
+def _samples(source: str, parts: list[tuple[str, np.ndarray, pa.Table]], dataset: str | None):
+    """The samples table of (shard, latent rows, their rows of the keys file) parts, in order.
+
+    source, shard and dataset are dictionary columns (a code per row, not a string).
+    """
+    counts = np.array([len(rows) for _, rows, _ in parts], np.int64)
+    n = int(counts.sum())
+    columns = {
+        "source": _dictionary(np.zeros(n, np.int8), [source]),
+        "shard": _dictionary(
+            np.repeat(np.arange(len(parts), dtype=np.int32), counts), [s for s, _, _ in parts]
+        ),
+        "latent_row": pa.array(
+            np.concatenate([rows for _, rows, _ in parts]) if parts else np.empty(0, np.int64),
+            pa.int64(),
+        ),
+        "token_row": pa.chunked_array(
+            [pc.cast(c, pa.int64()) for _, _, t in parts for c in t["token_row"].chunks],
+            pa.int64(),
+        ),
+        "key": pa.chunked_array([c for _, _, t in parts for c in t["key"].chunks], pa.string()),
+    }
+    if dataset is not None:
+        columns["dataset"] = _dictionary(np.zeros(n, np.int8), [dataset])
+    return pa.table(columns)
+
+
+class EncodedView:
+    """A dataset's encoded samples, held as each shard's keys file and a mask of the rows the
+    view keeps: no column of samples is built until rows are drawn (`drawn`). Offers what mix
+    and plan use of a table: `num_rows`, `filter(mask)`, `table()`, `view[column]`."""
+
+    def __init__(self, source: str, dataset: str, parts: list[tuple[str, np.ndarray, pa.Table]]):
+        self.source, self.dataset, self.parts = source, dataset, parts
+        self.counts = [int(np.count_nonzero(kept)) for _, kept, _ in parts]
+        self.num_rows = sum(self.counts)
+
+    def drawn(self, mask: np.ndarray) -> Iterator[tuple[pa.Table, list]]:
+        """The samples where `mask` (over this view's rows, in (shard, latent_row) order) is
+        true, a batch of shards at a time: (samples table, [(file, latent rows, token rows)])."""
+        picked, pieces, num_picked, start = [], [], 0, 0
+        for (shard, kept, keys), count in zip(self.parts, self.counts, strict=True):
+            take = kept.copy()
+            take[kept] = mask[start : start + count]
+            start += count
+            latent_rows = np.flatnonzero(take)
+            if not len(latent_rows):
+                continue
+            chosen = keys.filter(take)
+            picked.append((shard, latent_rows, chosen))
+            pieces.append((f"{self.source}-{shard}", latent_rows, chosen["token_row"].to_numpy()))
+            num_picked += len(latent_rows)
+            if num_picked >= BATCH_ROWS:
+                yield _samples(self.source, picked, self.dataset), pieces
+                picked, pieces, num_picked = [], [], 0
+        if picked:
+            yield _samples(self.source, picked, self.dataset), pieces
+
+    def filter(self, mask) -> pa.Table:
+        """The drawn samples as one table (source, shard, latent_row, token_row, key, dataset)."""
+        if isinstance(mask, pa.Array | pa.ChunkedArray):
+            mask = mask.to_numpy(zero_copy_only=False)
+        tables = [table for table, _ in self.drawn(np.asarray(mask, bool))]
+        return pa.concat_tables(tables) if tables else _samples(self.source, [], self.dataset)
+
+    def table(self) -> pa.Table:
+        return self.filter(np.ones(self.num_rows, bool))
+
+    def __getitem__(self, column: str) -> pa.ChunkedArray:
+        return self.table()[column]
+
+
+def _view_runs(groups: Iterator[pa.Table]) -> Iterator[tuple[str, pa.Array]]:
+    """(shard, keys) of a view's row groups, one run of a shard at a time (a view is sorted by
+    shard; a run cut by a row group's end comes in two). The next row group is read in a
+    thread while this one is joined."""
+    with ThreadPoolExecutor(1) as reader:
+        ahead = reader.submit(next, groups, None)
+        while (group := ahead.result()) is not None:
+            ahead = reader.submit(next, groups, None)
+            for batch in group.to_batches():
+                shard_column, keys = batch.column(0), batch.column(1)
+                if not pa.types.is_dictionary(shard_column.type):
+                    shard_column = shard_column.dictionary_encode()
+                names = shard_column.dictionary.to_pylist()
+                codes = shard_column.indices.to_numpy(zero_copy_only=False)
+                bounds = [0, *(np.flatnonzero(np.diff(codes)) + 1).tolist(), len(codes)]
+                for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+                    if b > a:
+                        yield names[codes[a]], keys.slice(a, b - a)
+
+
+def dataset_view(root: Path, catalog: Catalog, dataset: str) -> EncodedView:
     """The encoded samples of a dataset: its materialized view's keys (`tasks.views`, built or
-    refreshed here when missing or stale) that its source encoded."""
+    refreshed here when missing or stale) that its source encoded, in (shard, latent_row)
+    order. The join is one shard's keys at a time, while the view's next row group is read."""
     ds = catalog.dataset(dataset)
-    encoded = encoded_samples(root, ds.source)
-    if encoded.num_rows == 0:
-        return encoded.append_column("dataset", pa.array([], pa.string()))
-    con = duckdb.connect()
-    con.register("encoded", encoded)
-    con.register("view_keys", views.view_keys(root, catalog, dataset))
-    view = con.sql(
-        "SELECT e.*, $dataset AS dataset FROM encoded e JOIN view_keys USING (key) "
-        "ORDER BY e.shard, e.latent_row",
-        params={"dataset": dataset},
-    ).arrow()
-    return view.read_all() if hasattr(view, "read_all") else view
+    encoded = dict(encoded_shards(root, ds.source))
+    kept: dict[str, np.ndarray] = {}
+    for shard, keys in _view_runs(views.view_key_groups(root, catalog, dataset)):
+        table = encoded.get(shard)
+        if table is None:
+            continue
+        found = pc.is_in(table["key"], value_set=keys).to_numpy(zero_copy_only=False)
+        kept[shard] = found if shard not in kept else kept[shard] | found
+    parts = [(s, kept[s], t) for s, t in encoded.items() if s in kept and kept[s].any()]
+    return EncodedView(ds.source, dataset, parts)
 
 
 def draw_counts(phase: Phase, available: dict[str, int]) -> list[dict]:
@@ -147,18 +268,22 @@ def phase_set_for_run(root: Path, catalog: Catalog, phase: Phase) -> dict:
     return {**build_phase_set(root, catalog, phase), "reused": False}
 
 
+def draw(phase: Phase, dataset: str, num_rows: int, taken: int) -> np.ndarray:
+    """Which rows of a dataset's view the phase takes (a mask): the first `taken` of its seeded
+    stream's permutation, kept in row order (a mask, not a sort: linear in the view)."""
+    order = dataset_stream(phase, dataset).permutation(num_rows)
+    chosen = np.zeros(num_rows, bool)
+    chosen[order[:taken]] = True
+    return chosen
+
+
 def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
-    """Draw each dataset's share (seeded), write manifest + symlinks; returns the mix report."""
+    """Draw each dataset's share (seeded), write manifest + row index + symlinks; returns the
+    mix report. The manifest is written in a thread while the next rows are drawn."""
     viewed = {e.dataset: dataset_view(root, catalog, e.dataset) for e in phase.mix}
     report = draw_counts(phase, {d: v.num_rows for d, v in viewed.items()})
-    parts = []
-    for r in report:
-        view = viewed[r["dataset"]]
-        order = dataset_stream(phase, r["dataset"]).permutation(view.num_rows)
-        chosen = np.sort(order[: r["taken"]])
-        parts.append(view.take(pa.array(chosen, pa.int64())))
-    manifest = pa.concat_tables(parts)
-    if manifest.num_rows == 0:
+    total = sum(r["taken"] for r in report)
+    if total == 0:
         names = ", ".join(e.dataset for e in phase.mix)
         raise MixError(
             f"phase {phase.name!r}: no encoded samples in its datasets ({names}); "
@@ -171,26 +296,116 @@ def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
     tmp = phases_dir / f".{phase.name}{TMP_MARK}{os.getpid()}"
     (tmp / "latents").mkdir(parents=True)
     (tmp / "tokens").mkdir()
-    pairs = {
-        (s, sh)
-        for s, sh in zip(manifest["source"].to_pylist(), manifest["shard"].to_pylist(), strict=True)
-    }
-    for source, shard in sorted(pairs):
-        # Relative links keep the data root movable.
-        (tmp / "latents" / f"{source}-{shard}.npy").symlink_to(
-            Path("../../..") / source / "latents" / f"{shard}.npy"
-        )
-        (tmp / "tokens" / f"{source}-{shard}.parquet").symlink_to(
-            Path("../../..") / source / "tokens" / f"{shard}.parquet"
-        )
-    pq.write_table(manifest, tmp / "manifest.parquet")
+    index = _RowIndex(total)
+    with _ManifestWriter(tmp / layout.MANIFEST) as manifest:
+        for r in report:
+            view = viewed.pop(r["dataset"])
+            mask = draw(phase, r["dataset"], view.num_rows, r["taken"])
+            if isinstance(view, EncodedView):
+                batches = view.drawn(mask)
+            else:  # a plain table (tests plant views as tables)
+                batches = [(view.filter(mask), None)]
+            for table, pieces in batches:
+                manifest.write(table)
+                index.add(table, pieces)
+            del view, mask, batches
+        files, rows = index.result()
+        layout.write_rows(tmp, rows)
+        _link_files(root, tmp, files)
+    layout.write_files(tmp, [name for name, _, _ in files], rows)
     summary = {
         "phase": phase.name,
         "seed": phase.seed,
-        "num_samples": manifest.num_rows,
+        "num_samples": total,
         "allow_short": phase.allow_short,
         "datasets": report,
     }
     (tmp / "mix.json").write_text(json.dumps(summary, indent=1))
     replace_dir(tmp, final)
     return summary
+
+
+class _ManifestWriter:
+    """The manifest's tables written in order by one thread while the caller draws the next
+    (at most two wait). Plain string and int64 columns to a reader, as before: store_schema is
+    off, so the dictionary columns are only the file's encoding."""
+
+    def __init__(self, path: Path):
+        self.path, self.writer = path, None
+        self.pool = ThreadPoolExecutor(1)
+        self.pending: deque = deque()
+
+    def __enter__(self) -> _ManifestWriter:
+        return self
+
+    def write(self, table: pa.Table) -> None:
+        while len(self.pending) >= 2:
+            self.pending.popleft().result()
+        self.pending.append(self.pool.submit(self._write, table))
+
+    def _write(self, table: pa.Table) -> None:
+        if self.writer is None:
+            dictionaries = [f.name for f in table.schema if pa.types.is_dictionary(f.type)]
+            self.writer = pq.ParquetWriter(
+                self.path, table.schema, store_schema=False, use_dictionary=dictionaries or True
+            )
+        self.writer.write_table(table)
+
+    def __exit__(self, *exc) -> None:
+        try:
+            while self.pending:
+                self.pending.popleft().result()
+        finally:
+            self.pool.shutdown()
+            if self.writer is not None:
+                self.writer.close()
+
+
+class _RowIndex:
+    """The phase set's row index, filled as rows are drawn: int32 (file, latent row, token
+    row) per manifest row, files numbered in order of first use. Rows drawn from a plain table
+    (a view a test planted) are indexed from the manifest's columns at the end."""
+
+    def __init__(self, num_rows: int):
+        self.rows = np.empty((num_rows, 3), np.int32)
+        self.files: dict[str, int] = {}
+        self.filled = 0
+        self.planted: list[pa.Table] = []
+
+    def add(self, table: pa.Table, pieces: list | None) -> None:
+        if pieces is None:
+            self.planted.append(table)
+            return
+        for name, latent_rows, token_rows in pieces:
+            n = len(latent_rows)
+            block = self.rows[self.filled : self.filled + n]
+            block[:, 0] = self.files.setdefault(name, len(self.files))
+            block[:, 1] = latent_rows
+            block[:, 2] = token_rows
+            self.filled += n
+
+    def result(self) -> tuple[list[tuple[str, str, str]], np.ndarray]:
+        """([(file, source, shard)], rows)."""
+        if self.planted:
+            if self.files:
+                raise ValueError("mix: planted and encoded views in one phase")
+            manifest = pa.concat_tables(self.planted)
+            names, self.rows = layout.index_of(manifest)
+            pairs = set(
+                zip(manifest["source"].to_pylist(), manifest["shard"].to_pylist(), strict=True)
+            )
+            where = {f"{source}-{shard}": (source, shard) for source, shard in pairs}
+            return [(n, *where[n]) for n in names], self.rows
+        if self.filled != len(self.rows):
+            raise AssertionError(f"mix: {self.filled} rows drawn of {len(self.rows)}")
+        return [(n, *n.rsplit("-", 1)) for n in self.files], self.rows
+
+
+def _link_files(root: Path, folder: Path, files: list[tuple[str, str, str]]) -> None:
+    """Relative links (the data root stays movable) to each file's latents and tokens."""
+    for name, source, shard in files:
+        up = Path("../../..") / source
+        (folder / "latents" / f"{name}.npy").symlink_to(up / "latents" / f"{shard}.npy")
+        (folder / "tokens" / f"{name}.parquet").symlink_to(up / "tokens" / f"{shard}.parquet")
+        if (root / source / "tokens" / f"{shard}.npy").exists():
+            (folder / "tokens" / f"{name}.npy").symlink_to(up / "tokens" / f"{shard}.npy")

@@ -1,9 +1,10 @@
-"""tokenize: the kept captions of a shard -> SD1 CLIP ids, `tokens/NNNNN.parquet`.
+"""tokenize: the kept captions of a shard -> SD1 CLIP ids, `tokens/NNNNN.parquet` and `.npy`.
 
 77 ids per caption (BOS 49406, caption, EOS 49407, padded with EOS 49407, truncated at 77), stored
-as a fixed-size int32 list so readers get a [N, 77] array without parsing. The ids come from
-`sdtrain.models.encode_captions` (the trainer's own tokenizer path; equal to transformers'
-CLIPTokenizer configured as SD1's).
+as a fixed-size int32 list beside the key, and again as `NNNNN.npy` (int32 [N, 77], row i = row i
+of the parquet) that the trainer's ranks memory-map and share through the page cache. The ids
+come from `sdtrain.models.encode_captions` (the trainer's own tokenizer path; equal to
+transformers' CLIPTokenizer configured as SD1's).
 
 Bad captions, each counted: empty or only whitespace -> dropped as `empty_caption`; bytes that
 are not UTF-8 -> dropped as `caption_encoding` (source adapters decode with `clean_caption`,
@@ -83,6 +84,8 @@ def tokenize_shard(root: Path, source: str, shard: str) -> ShardStats:
             keys.append(key)
             captions.append(caption)
         ids, counts = encode_captions(captions)
+        with atomic_path(root / source / STAGE / f"{shard}.npy") as tmp, open(tmp, "wb") as f:
+            np.save(f, ids.astype(np.int32, copy=False).reshape(len(keys), MAX_TOKENS))
         with atomic_path(root / source / STAGE / f"{shard}.parquet") as tmp:
             pq.write_table(_table(keys, ids), tmp)
         stats.num_out = len(keys)

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from sdtrain import layout
 from sdtrain.config import TrainConfig
 from sdtrain.models import tokenize
 
@@ -53,7 +54,8 @@ def caption(shard: str, i: int) -> str:
 
 @pytest.fixture(scope="session")
 def phase_dir(tmp_path_factory):
-    """Two shards of 16 rows, laid out as the mix stage writes them (symlinked files).
+    """Two shards of 16 rows, laid out as the mix stage writes them (symlinked files, token ids
+    as parquet and .npy, the row index `rows.npy` + `files.json`).
 
     The token files are stored in reverse order, so token_row != latent_row and the manifest's
     join is what PhaseSet must follow.
@@ -74,8 +76,10 @@ def phase_dir(tmp_path_factory):
             {"key": [keys[i] for i in reverse], "input_ids": [ids[i].tolist() for i in reverse]}
         )
         pq.write_table(tokens, root / f"tokens-{shard}.parquet")
+        np.save(root / f"tokens-{shard}.npy", ids.numpy()[reverse])
         (phase / "latents" / f"demo-{shard}.npy").symlink_to(root / f"latents-{shard}.npy")
         (phase / "tokens" / f"demo-{shard}.parquet").symlink_to(root / f"tokens-{shard}.parquet")
+        (phase / "tokens" / f"demo-{shard}.npy").symlink_to(root / f"tokens-{shard}.npy")
         for i in range(NUM_ROWS_PER_SHARD):
             manifest["dataset"].append("demo")
             manifest["source"].append("demo")
@@ -83,7 +87,9 @@ def phase_dir(tmp_path_factory):
             manifest["latent_row"].append(i)
             manifest["token_row"].append(NUM_ROWS_PER_SHARD - 1 - i)
             manifest["key"].append(keys[i])
-    pq.write_table(pa.table(manifest), phase / "manifest.parquet")
+    table = pa.table(manifest)
+    pq.write_table(table, phase / "manifest.parquet")
+    layout.write_index(phase, *layout.index_of(table))
     return phase
 
 

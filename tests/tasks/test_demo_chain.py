@@ -23,7 +23,7 @@ from PIL import Image
 
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
-from tasks import demo_source, encode, fetch_images, metadata, score, tokenize
+from tasks import demo_source, encode, fetch_images, latent_keys, metadata, score, tokenize
 from tasks import filter as filter_stage
 from tasks.shards import TMP_MARK, read_stats, summarize
 
@@ -150,13 +150,17 @@ def test_latents_are_fp16_rows_of_the_encoded_keys(chain):
     side = chain.model.resolution // 8
     for stats in read_stats(chain.root, chain.name, "latents"):
         latents = np.load(chain.dir / "latents" / f"{stats.shard}.npy")
-        keys = stats.extra["keys"]
+        written = latent_keys.read(chain.root, chain.name, stats.shard)
+        keys = written["key"].to_pylist()
         assert latents.dtype == np.float16
         assert latents.shape == (len(keys), 4, side, side)
         assert np.isfinite(latents).all()
         token_keys = pq.read_table(chain.dir / "tokens" / f"{stats.shard}.parquet")["key"]
-        assert [token_keys[row].as_py() for row in stats.extra["token_rows"]] == keys
-    assert sum(len(s.extra["keys"]) for s in read_stats(chain.root, chain.name, "latents")) > 0
+        assert token_keys.take(written["token_row"]).to_pylist() == keys
+        # The ids trainers memory-map: int32 [N, 77], row i = the parquet's row i.
+        ids = np.load(chain.dir / "tokens" / f"{stats.shard}.npy", mmap_mode="r")
+        assert ids.dtype == np.int32 and ids.shape == (len(token_keys), 77)
+    assert sum(s.num_out for s in read_stats(chain.root, chain.name, "latents")) > 0
 
 
 def test_selected_samples_are_unique_images(chain):

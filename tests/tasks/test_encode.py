@@ -26,7 +26,7 @@ from PIL import Image, ImageOps
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
 from sdtrain.models import build_vae
-from tasks import encode, images, metadata
+from tasks import encode, images, latent_keys, metadata
 from tasks.metadata import SourceError
 from tasks.shards import TMP_MARK, ShardStats
 
@@ -318,8 +318,10 @@ def test_encode_shard_rows_follow_keys_and_bad_images_are_dropped(
     assert stats.dropped == expected
     assert (stats.num_in, stats.num_out) == (len(token_keys), len(samples))
     kept = [k for k in token_keys if k in samples]
-    assert stats.extra["keys"] == kept
-    assert stats.extra["token_rows"] == [token_keys.index(k) for k in kept]
+    written = latent_keys.read(tmp_path, SOURCE, SHARD)  # the keys file, not the record
+    assert written["key"].to_pylist() == kept and "keys" not in stats.extra
+    assert written["token_row"].to_pylist() == [token_keys.index(k) for k in kept]
+    assert written["token_row"].type == pa.int32()
     latents = np.load(tmp_path / SOURCE / "latents" / f"{SHARD}.npy")
     assert latents.dtype == np.float16
     assert latents.shape == (len(kept), 4, tiny.resolution // 8, tiny.resolution // 8)
@@ -335,7 +337,7 @@ def test_encode_shard_where_no_image_decodes_writes_zero_rows(tmp_path, tiny):
     stats = encode.encode_shard(tmp_path, SOURCE, SHARD, tiny)
     latents = np.load(tmp_path / SOURCE / "latents" / f"{SHARD}.npy")
     assert stats.dropped == {"decode_error": 1}
-    assert stats.extra["keys"] == []
+    assert latent_keys.read(tmp_path, SOURCE, SHARD).num_rows == 0
     assert latents.shape == (0, 4, tiny.resolution // 8, tiny.resolution // 8)
 
 
@@ -359,7 +361,11 @@ def read_outputs(root: Path, shards: list[str]) -> dict[str, tuple[np.ndarray, d
     for s in shards:
         stats = ShardStats.read(root / SOURCE / "latents" / f"{s}.stats.json")
         latents = np.load(root / SOURCE / "latents" / f"{s}.npy")
-        out[s] = (latents, {k: stats.extra[k] for k in ("keys", "token_rows")} | stats.dropped)
+        written = latent_keys.read(root, SOURCE, s).to_pydict()
+        out[s] = (
+            latents,
+            {"keys": written["key"], "token_rows": written["token_row"]} | stats.dropped,
+        )
     return out
 
 
@@ -454,7 +460,7 @@ def test_latent_qa_decodes_a_stated_sample(tmp_path, four_shards, tiny, referenc
     assert qa["latent_mean"] == pytest.approx(float(everything.mean()), abs=1e-5)
     assert qa["latent_std"] == pytest.approx(float(everything.std()), rel=1e-4)
     # Each PSNR is that of the VAE's decode of the stored latent against the input pixels.
-    keys = {s.shard: s.extra["keys"] for s in stats}
+    keys = {s.shard: latent_keys.read(tmp_path, SOURCE, s.shard)["key"].to_pylist() for s in stats}
     for sample in qa["samples"]:
         row = keys[sample["shard"]].index(sample["key"])
         latent = np.load(tmp_path / SOURCE / "latents" / f"{sample['shard']}.npy")[row]

@@ -5,15 +5,22 @@ before training what the phase will take, how many steps, how much disk and how 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from catalog import Catalog, Dataset, FilterProfile, MixEntry, Model, Phase, Source
 from flows.cli import main
-from tasks import mix, plan
+from sdtrain import layout
+from sdtrain.data import PhaseSet
+from tasks import latent_keys, mix, plan
+from tasks import views as views_stage
+from tasks.shards import ShardStats, read_stats, stats_path, write_json_atomic
 
 SIZES = {"a": 50, "b": 200, "c": 200}
 
@@ -150,3 +157,139 @@ def test_sdpipe_plan_says_what_is_short_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("sdpipe: error: phase 'demo' is short of encoded samples")
     assert "demo: requested 240, available 0" in err and "\n" not in err
+
+
+# ---- mix over columns: the keys files, a view joined a shard at a time, the phase set's index
+
+
+def encoded_source(root: Path, source: str, sizes: dict[str, int], legacy=()) -> dict:
+    """Shards encoded as encode leaves them: latents, tokens (parquet + .npy) with two captions
+    more than images, keys files with the token rows out of order; the `legacy` shards carry
+    their keys in the stats record instead (encoded by an older sdpipe). Returns token keys."""
+    rng = np.random.default_rng(len(source))
+    token_keys = {}
+    for shard, n in sizes.items():
+        keys = [f"{source}/{shard}/{i:03d}" for i in range(n + 2)]
+        ids = np.arange((n + 2) * 77, dtype=np.int32).reshape(n + 2, 77) + 1000 * int(shard)
+        tokens = root / source / "tokens"
+        tokens.mkdir(parents=True, exist_ok=True)
+        pq.write_table(
+            pa.table(
+                {
+                    "key": keys,
+                    "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), 77),
+                }
+            ),
+            tokens / f"{shard}.parquet",
+        )
+        np.save(tokens / f"{shard}.npy", ids)
+        token_rows = rng.permutation(n + 2)[:n].tolist()
+        latents = root / source / "latents"
+        latents.mkdir(parents=True, exist_ok=True)
+        np.save(latents / f"{shard}.npy", rng.standard_normal((n, 4, 2, 2)).astype(np.float16))
+        record = ShardStats(stage="latents", source=source, shard=shard, num_in=n, num_out=n)
+        if shard in legacy:
+            record.extra = {"keys": [keys[r] for r in token_rows], "token_rows": token_rows}
+        else:
+            latent_keys.write(root, source, shard, [keys[r] for r in token_rows], token_rows)
+        write_json_atomic(stats_path(root, source, "latents", shard), asdict(record))
+        token_keys[shard] = keys
+    return token_keys
+
+
+def planted_view(token_keys: dict, fraction: float, seed: int) -> pa.Table:
+    """(shard, key) sorted: a seeded part of each shard's keys, encoded or not."""
+    rng = np.random.default_rng(seed)
+    rows = sorted(
+        (shard, k) for shard, keys in token_keys.items() for k in keys if rng.random() < fraction
+    )
+    return pa.table({"shard": [s for s, _ in rows], "key": [k for _, k in rows]})
+
+
+def old_selection(root, source, view, p: Phase, dataset: str, taken: int) -> list[dict]:
+    """The mix before columns: every record's keys joined with the view, ordered by (shard,
+    latent_row), then the first `taken` of the dataset's permutation, sorted."""
+    wanted = set(view["key"].to_pylist())
+    rows = []
+    for record in read_stats(root, source, "latents"):
+        t = latent_keys.read(root, source, record.shard, record)
+        for i, (key, token_row) in enumerate(
+            zip(t["key"].to_pylist(), t["token_row"].to_pylist(), strict=True)
+        ):
+            if key in wanted:
+                rows.append(
+                    {"source": source, "shard": record.shard, "latent_row": i,
+                     "token_row": token_row, "key": key, "dataset": dataset}
+                )  # fmt: skip
+    order = mix.dataset_stream(p, dataset).permutation(len(rows))
+    return [rows[c] for c in np.sort(order[:taken])]
+
+
+@pytest.fixture
+def encoded_root(tmp_path, monkeypatch):
+    """Sources a (3 shards, one legacy) and b (2 shards), views of a seeded part of each."""
+    keys_a = encoded_source(tmp_path, "a", {"00000": 40, "00001": 7, "00003": 55}, ("00001",))
+    keys_b = encoded_source(tmp_path, "b", {"00000": 60, "00002": 30})
+    planted = {"a": planted_view(keys_a, 0.8, 1), "b": planted_view(keys_b, 0.6, 2)}
+
+    def row_groups(root, catalog, dataset):  # cut mid-shard, as ~1M-row groups are
+        view = planted[dataset]
+        cuts = [0, view.num_rows // 3, view.num_rows // 3 + 1, view.num_rows]
+        return iter([view.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
+
+    monkeypatch.setattr(views_stage, "view_key_groups", row_groups)
+    monkeypatch.setattr(mix, "BATCH_ROWS", 16)  # many row groups of drawn rows
+    return tmp_path, planted
+
+
+def test_the_columnar_mix_draws_what_the_row_mix_drew(encoded_root):
+    root, planted = encoded_root
+    p = phase(MixEntry(dataset="a", count=50), MixEntry(dataset="b", count=33), seed=11)
+    report = mix.build_phase_set(root, catalog(root), p)
+    expected = old_selection(root, "a", planted["a"], p, "a", 50)
+    expected += old_selection(root, "b", planted["b"], p, "b", 33)
+    manifest = pq.read_table(root / "phases" / "p1" / "manifest.parquet")
+    assert manifest.to_pylist() == expected
+    assert report["num_samples"] == 83
+    # Plain column types to a reader, as before (dictionaries are only the file's encoding).
+    assert [str(t) for t in manifest.schema.types] == [
+        "string", "string", "int64", "int64", "string", "string",
+    ]  # fmt: skip
+    assert manifest.column_names[:5] == ["source", "shard", "latent_row", "token_row", "key"]
+
+
+def test_the_phase_set_reads_each_drawn_rows_latent_and_ids(encoded_root):
+    root, _ = encoded_root
+    p = phase(MixEntry(dataset="a", count=60), MixEntry(dataset="b", count=40), seed=3)
+    mix.build_phase_set(root, catalog(root), p)
+    phase_dir = root / "phases" / "p1"
+    data = PhaseSet(phase_dir)
+    assert layout.mapped_file(data.rows) and all(layout.mapped_file(t) for t in data.tokens)
+    for i, row in enumerate(pq.read_table(phase_dir / "manifest.parquet").to_pylist()):
+        latent, ids, _ = data[i]
+        source_dir = root / row["source"]
+        want = np.load(source_dir / "latents" / f"{row['shard']}.npy")[row["latent_row"]]
+        assert torch.equal(latent, torch.from_numpy(want.astype(np.float32)))
+        token_ids = np.load(source_dir / "tokens" / f"{row['shard']}.npy")
+        assert torch.equal(ids, torch.from_numpy(token_ids[row["token_row"]].astype(np.int64)))
+        keys = pq.read_table(source_dir / "tokens" / f"{row['shard']}.parquet")["key"]
+        assert keys[row["token_row"]].as_py() == row["key"]
+
+
+def test_tokens_rewritten_after_encode_are_checked_by_key(encoded_root):
+    root, _ = encoded_root
+    tokens = root / "b" / "tokens" / "00002.parquet"
+    table = pq.read_table(tokens)
+    pq.write_table(table, tokens)  # the same keys, a new file: checked, and it matches
+    p = phase(MixEntry(dataset="b", count=20))
+    mix.build_phase_set(root, catalog(root), p)
+    pq.write_table(table.take(list(range(table.num_rows))[::-1]), tokens)  # rows moved
+    with pytest.raises(mix.MixError, match=r"b/00002: its tokens changed since it was encoded"):
+        mix.build_phase_set(root, catalog(root), p)
+
+
+def test_a_shard_with_neither_keys_file_nor_keys_in_its_record_fails_naming_it(encoded_root):
+    root, _ = encoded_root
+    latent_keys.path(root, "b", "00000").unlink()
+    with pytest.raises(mix.MixError, match=r"00000.keys.arrow: missing.*encode the shard again"):
+        mix.dataset_view(root, catalog(root), "b")

@@ -1,0 +1,207 @@
+"""A phase set on disk, as mix writes it and the trainer's ranks open it (numpy and Arrow only).
+
+- `manifest.parquet`: one row per sample (source, shard, latent_row, token_row, key, dataset);
+  its sha256 is part of a run's identity.
+- `rows.npy`: int32 [N, 3], row i = (file, latent row, token row) of manifest row i, `file`
+  indexing `files.json`'s list. Ranks memory-map it: the page cache holds one copy per machine.
+- `files.json`: the files (`<source>-<shard>`), the rows each must at least have, and
+  the manifest's row count and fingerprint (a manifest rewritten since no longer matches its
+  index).
+- `latents/<source>-<shard>.npy` and `tokens/<source>-<shard>.{npy,parquet}`: links into the
+  sources' folders.
+
+A folder without `rows.npy` (written by hand, or by an older sdpipe) is indexed from the
+manifest in memory instead (`derived_index`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+MANIFEST = "manifest.parquet"
+ROWS = "rows.npy"
+FILES = "files.json"
+
+
+def _codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndarray]:
+    """(distinct values, int32 code per row) of a string or dictionary column, no row objects."""
+    if isinstance(column, pa.Array):
+        column = pa.chunked_array([column])
+    if not pa.types.is_dictionary(column.type):
+        column = pc.dictionary_encode(column)
+    column = pa.table({"c": column}).unify_dictionaries()["c"]
+    if column.num_chunks == 0:
+        return [], np.empty(0, np.int32)
+    values = column.chunk(0).dictionary.to_pylist()
+    codes = [c.indices.to_numpy(zero_copy_only=False) for c in column.chunks]
+    return values, np.concatenate(codes).astype(np.int32, copy=False)
+
+
+def file_index(source: pa.ChunkedArray, shard: pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
+    """(file names `<source>-<shard>` sorted, int32 file of each row), vectorised."""
+    sources, source_codes = _codes(source)
+    shards, shard_codes = _codes(shard)
+    if not len(source_codes):
+        return [], np.empty(0, np.int32)
+    if len(sources) == 1:
+        pair = shard_codes
+    else:
+        pair = source_codes.astype(np.int64) * len(shards) + shard_codes
+    present = np.zeros(len(sources) * len(shards), bool)
+    present[pair] = True
+    used = np.flatnonzero(present)
+    names = [f"{sources[p // len(shards)]}-{shards[p % len(shards)]}" for p in used.tolist()]
+    order = sorted(range(len(names)), key=names.__getitem__)
+    lookup = np.full(len(present), -1, np.int32)
+    lookup[used[order]] = np.arange(len(order), dtype=np.int32)
+    return [names[i] for i in order], lookup[pair]
+
+
+def _put_int32(out: np.ndarray, column: pa.ChunkedArray) -> None:
+    """A row-number column into an int32 column of `out`, chunk by chunk (no int64 copy)."""
+    if column.null_count:
+        raise ValueError("a latent or token row is missing (null)")
+    if len(column):
+        low, high = (v.as_py() for v in pc.min_max(column).values())
+        if low < 0 or high > np.iinfo(np.int32).max:
+            raise ValueError("a latent or token row is negative or over 2^31")
+    start = 0
+    for chunk in column.chunks:
+        out[start : start + len(chunk)] = chunk.to_numpy()
+        start += len(chunk)
+
+
+def index_of(manifest: pa.Table) -> tuple[list[str], np.ndarray]:
+    """(files, rows int32 [N, 3]) of a manifest table (source, shard, latent_row, token_row)."""
+    files, file_of_row = file_index(manifest["source"], manifest["shard"])
+    rows = np.empty((manifest.num_rows, 3), np.int32)
+    rows[:, 0] = file_of_row
+    _put_int32(rows[:, 1], manifest["latent_row"])
+    _put_int32(rows[:, 2], manifest["token_row"])
+    return files, rows
+
+
+def needed_rows(rows: np.ndarray, num_files: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per file, (latent rows, token rows) its arrays must at least have: max row + 1."""
+    latents = np.zeros(num_files, np.int64)
+    tokens = np.zeros(num_files, np.int64)
+    if len(rows):
+        # Rows come in runs of one file (mix writes a dataset's rows by shard): reduce each run,
+        # then the runs of each file.
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(rows[:, 0])) + 1])
+        run_file = rows[starts, 0]
+        np.maximum.at(latents, run_file, np.maximum.reduceat(rows[:, 1], starts) + 1)
+        np.maximum.at(tokens, run_file, np.maximum.reduceat(rows[:, 2], starts) + 1)
+    return latents, tokens
+
+
+def manifest_mark(path: Path) -> str:
+    """A cheap fingerprint of a manifest file: sha256 of its size, first and last MiB (a rewrite
+    of its rows changes its pages; hashing all of it costs seconds at 100M rows)."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return digest.hexdigest()
+
+
+def write_rows(folder: Path, rows: np.ndarray) -> None:
+    np.save(folder / ROWS, np.ascontiguousarray(rows, np.int32))
+
+
+def write_files(folder: Path, files: list[str], rows: np.ndarray) -> None:
+    """`files.json`, once the manifest in `folder` is complete (it holds its fingerprint)."""
+    latents, tokens = needed_rows(rows, len(files))
+    meta = {
+        "num_rows": len(rows),
+        "manifest": manifest_mark(folder / MANIFEST),
+        "files": [
+            {"name": name, "latent_rows": int(n_latents), "token_rows": int(n_tokens)}
+            for name, n_latents, n_tokens in zip(
+                files, latents.tolist(), tokens.tolist(), strict=True
+            )
+        ],
+    }
+    (folder / FILES).write_text(json.dumps(meta))
+
+
+def write_index(folder: Path, files: list[str], rows: np.ndarray) -> None:
+    """`rows.npy` and `files.json` beside a manifest already written to `folder`."""
+    write_rows(folder, rows)
+    write_files(folder, files, rows)
+
+
+def map_npy(path: Path) -> np.ndarray:
+    """A read-only view of an .npy file's array, memory-mapped without keeping its file open.
+
+    `np.load(mmap_mode="r")` holds a file descriptor per array (Python's mmap keeps one), and a
+    phase set of 10,000 shards maps 20,000 files: past a usual open-files limit. Arrow's map
+    lives on in the buffer after its file is closed.
+    """
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran_order, dtype = read_header(f)
+        offset = f.tell()
+    if fortran_order:
+        raise ValueError(f"{path}: a Fortran-ordered array; the phase set reads C order")
+    with pa.memory_map(str(path)) as mapped:
+        buffer = mapped.read_buffer()
+    count = int(np.prod(shape))
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def mapped_file(array: np.ndarray) -> str | None:
+    """The file whose memory map holds `array`'s data (from /proc/self/maps), else None."""
+    if array.size == 0:
+        return None
+    address = array.__array_interface__["data"][0]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def mapped_index(folder: Path) -> tuple[list[dict], np.ndarray] | None:
+    """(files, rows memory-mapped) when the folder's index matches its manifest, else None."""
+    if not (folder / FILES).is_file() or not (folder / ROWS).is_file():
+        return None
+    meta = json.loads((folder / FILES).read_text())
+    if meta.get("manifest") != manifest_mark(folder / MANIFEST):
+        return None
+    rows = map_npy(folder / ROWS)
+    if rows.shape != (meta["num_rows"], 3) or rows.dtype != np.int32:
+        return None
+    return meta["files"], rows
+
+
+def derived_index(folder: Path) -> tuple[list[dict], np.ndarray]:
+    """(files, rows in RAM) from the manifest's columns: a folder without a (matching) index."""
+    manifest = pq.read_table(
+        folder / MANIFEST,
+        columns=["source", "shard", "latent_row", "token_row"],
+        read_dictionary=["source", "shard"],
+    )
+    names, rows = index_of(manifest)
+    latents, tokens = needed_rows(rows, len(names))
+    files = [
+        {"name": name, "latent_rows": int(n_latents), "token_rows": int(n_tokens)}
+        for name, n_latents, n_tokens in zip(names, latents.tolist(), tokens.tolist(), strict=True)
+    ]
+    return files, rows

@@ -1,0 +1,142 @@
+"""The keys of an encoded shard: `latents/NNNNN.keys.arrow`, written by encode beside its latents.
+
+Row i of `latents/NNNNN.npy` is row i of this file: the sample's `key` (string) and its row in
+`tokens/NNNNN.parquet` (`token_row`, int32). It is an uncompressed Arrow IPC file, so mix maps
+10,000 shards' keys in well under a second and keeps them as Arrow columns, never a Python object
+per row (the stats record held them as JSON lists before). Its schema metadata holds the size and
+mtime of the tokens file the rows point into, as encode saw it: mix trusts `token_row` while that
+file is unchanged and checks the keys against it when it is not.
+
+Shards encoded before this file existed carry their keys in the stats record (`extra["keys"]`,
+`extra["token_rows"]`): `read` falls back to them (slower, checked against the tokens file each
+time), so an older data root mixes without re-encoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from tasks.shards import ShardStats, atomic_path, stats_path
+
+STAGE = "latents"
+SUFFIX = ".keys.arrow"
+SCHEMA = pa.schema([("key", pa.string()), ("token_row", pa.int32())])
+
+
+def path(root: Path, source: str, shard: str) -> Path:
+    return root / source / STAGE / f"{shard}{SUFFIX}"
+
+
+def tokens_path(root: Path, source: str, shard: str) -> Path:
+    return root / source / "tokens" / f"{shard}.parquet"
+
+
+def _identity(tokens: Path) -> dict[bytes, bytes]:
+    """What marks the tokens file a shard was encoded against: its size and mtime."""
+    try:
+        st = tokens.stat()
+    except FileNotFoundError:
+        return {}
+    return {
+        b"tokens_bytes": str(st.st_size).encode(),
+        b"tokens_mtime_ns": str(st.st_mtime_ns).encode(),
+    }
+
+
+def write(
+    root: Path, source: str, shard: str, keys: Sequence[str], token_rows: Sequence[int]
+) -> None:
+    """The shard's keys file (temp then rename, like every output)."""
+    write_table(
+        path(root, source, shard), table(keys, token_rows, tokens_path(root, source, shard))
+    )
+
+
+def table(keys, token_rows, tokens: Path) -> pa.Table:
+    """A keys file's table (keys and token rows: sequences or Arrow/numpy arrays), marked with
+    the identity of the tokens file `tokens` its rows point into."""
+    return pa.table(
+        {
+            "key": keys if isinstance(keys, pa.Array) else pa.array(keys, pa.string()),
+            "token_row": pa.array(token_rows, pa.int32()),
+        },
+        schema=SCHEMA.with_metadata(_identity(tokens)),
+    )
+
+
+def write_table(final: Path, table: pa.Table) -> None:
+    with (
+        atomic_path(final) as tmp,
+        pa.OSFile(str(tmp), "wb") as f,
+        pa.ipc.new_file(f, table.schema) as writer,
+    ):
+        writer.write_table(table)
+
+
+def read(root: Path, source: str, shard: str, record: ShardStats | None = None) -> pa.Table:
+    """key, token_row of the shard's latent rows, in latent order (memory-mapped).
+
+    Without a keys file (a shard encoded by an older sdpipe), from its stats record; a record
+    without keys either raises FileNotFoundError naming the shard.
+    """
+    p = path(root, source, shard)
+    try:
+        return pa.ipc.open_file(pa.memory_map(str(p))).read_all()
+    except FileNotFoundError:
+        pass
+    if record is None:
+        record = ShardStats.read(stats_path(root, source, STAGE, shard))
+    if "keys" not in record.extra:
+        raise FileNotFoundError(
+            f"{p}: missing, and the stats record of {source}/{shard} lists no keys; "
+            f"encode the shard again (delete {p.with_name(f'{shard}.stats.json')})"
+        )
+    return pa.table(
+        {
+            "key": pa.array(record.extra["keys"], pa.string()),
+            "token_row": pa.array(record.extra["token_rows"], pa.int32()),
+        }
+    )
+
+
+def tokens_unchanged(root: Path, source: str, shard: str, table: pa.Table) -> bool:
+    """True when the tokens file is the one the keys file was written against (size, mtime)."""
+    recorded = table.schema.metadata or {}
+    return bool(recorded) and recorded == _identity(tokens_path(root, source, shard))
+
+
+def tokens_match(root: Path, source: str, shard: str, table: pa.Table) -> bool:
+    """The exact check: the tokens file's key at each `token_row` is the row's key."""
+    tokens = tokens_path(root, source, shard)
+    if not tokens.exists():
+        return False
+    token_keys = pq.read_table(tokens, columns=["key"])["key"]
+    rows = table["token_row"].to_numpy()
+    if len(rows) and (rows.min() < 0 or rows.max() >= len(token_keys)):
+        return False
+    return len(rows) == 0 or pc.all(pc.equal(token_keys.take(rows), table["key"])).as_py() is True
+
+
+def sample(
+    root: Path, source: str, records: Sequence[ShardStats], num_samples: int, seed: int
+) -> list[tuple[str, int, str]]:
+    """(shard, latent row, key) of the first `num_samples` of a permutation (seeded) of every
+    encoded row of `records`, in row order: only the picked shards' keys are read."""
+    counts = np.array([s.num_out for s in records], np.int64)
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if len(ends) else 0
+    chosen = np.sort(np.random.default_rng(seed).permutation(total)[:num_samples])
+    which = np.searchsorted(ends, chosen, side="right")
+    picked = []
+    for c, w in zip(chosen.tolist(), which.tolist(), strict=True):
+        record = records[w]
+        row = c - int(ends[w] - counts[w])
+        key = read(root, source, record.shard, record)["key"][row].as_py()
+        picked.append((record.shard, row, key))
+    return picked
