@@ -24,9 +24,13 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m flows.cli demo
 
+# Two workers: CI has 2 cores, and half of the suite waits on Prefect servers and subprocesses.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: install
 	$(PY) -m ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(PY) -m ruff check .
