@@ -4,6 +4,8 @@
 ViT-B/32 + EfficientNet-B3, 256x256 watermark input) with random weights, so nothing is
 downloaded. Model building and a warm-up shard are timed apart from the measured shard; the
 figure includes decoding and preprocessing (worker threads), as the stage runs them.
+`peak_rss_gb` is the process's peak resident memory (networks, warm-up and shard): with the
+shard streamed a few batches at a time, it does not grow with --images.
 Usage: python bench/score.py [--device cpu|cuda] [--size tiny|full] [--images N] [--side S]
 """
 
@@ -21,6 +23,7 @@ import io
 import json
 import os
 import platform
+import resource
 import shutil
 import tarfile
 import tempfile
@@ -104,6 +107,7 @@ def main() -> None:
                 "params_m": round(sum(p.numel() for n in nets for p in n.parameters()) / 1e6, 1),
                 "torch_threads": torch.get_num_threads(),
                 "machine": f"{platform.machine()} {os.cpu_count()} cores",
+                "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
                 "load_avg_1m": round(os.getloadavg()[0], 2),
             }
         )

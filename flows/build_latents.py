@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -114,7 +115,8 @@ def build_latents(
         return Failed(message=str(e))
     try:
         catalog, src = preflight(source, root)
-        run_source(root, catalog, src, hf_dataset=hf_dataset, workers=budget)
+        with worker_budget(budget):
+            run_source(root, catalog, src, hf_dataset=hf_dataset, workers=budget)
     except (CatalogError, SourceError, ScoringWeightsError, StageFailed) as e:
         logger.error(str(e))
         return Failed(message=str(e))
@@ -125,6 +127,22 @@ def build_latents(
         description=f"build-latents {source}: samples per stage",
     )
     return summary
+
+
+@contextlib.contextmanager
+def worker_budget(budget: int):
+    """`SDPIPE_WORKERS` is the run's budget while it runs, so what sizes itself from the
+    setting (fetch-images' downloader processes, `concurrency.fetch_parallelism`) follows the
+    flow's `workers` too."""
+    saved = os.environ.get("SDPIPE_WORKERS")
+    os.environ["SDPIPE_WORKERS"] = str(budget)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SDPIPE_WORKERS", None)
+        else:
+            os.environ["SDPIPE_WORKERS"] = saved
 
 
 def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[str, int]:

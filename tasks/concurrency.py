@@ -3,8 +3,12 @@
 - `SDPIPE_WORKERS` (also build-latents' `workers` parameter): the node's worker budget, by
   default the cores this process may run on. CPU stages (repack, tokenize, decode pools) size
   their process pools from it.
-- `SDPIPE_FETCH_SHARDS`: fetch-images shard tasks at once (I/O bound; each runs img2dataset
-  with its own processes and threads, see `fetch_parallelism`).
+- `SDPIPE_FETCH_SHARDS`: fetch-images shard tasks at once (I/O bound; they share the node's
+  img2dataset downloader processes, see `fetch_parallelism`).
+- `SDPIPE_FETCH_PROCESSES`, `SDPIPE_FETCH_THREADS`: those downloader processes (default one
+  per worker of the budget, as img2dataset's README runs one process per core) and the
+  download threads of each (default 64, the low end of the README's 64-128): by default
+  64 x the cores requests in flight on the node.
 - GPU stages (score, encode, semantic dedup) run one worker per device of the GPU pool
   (`flows/pools.py`, `flows/devices.py`), not a number from here.
 - Stages whose Python holds the GIL (tokenize) run their shards in `process_pool`, `workers`
@@ -63,6 +67,17 @@ def fetch_shards(budget: int | None = None) -> int:
     """fetch-images shard tasks at once: `SDPIPE_FETCH_SHARDS`, else one per 8 workers of the
     budget (each shard's img2dataset uses several processes itself), at least 2."""
     return _env_int("SDPIPE_FETCH_SHARDS") or max(2, workers(budget) // 8)
+
+
+FETCH_THREADS = 64
+
+
+def fetch_parallelism(budget: int | None = None) -> tuple[int, int]:
+    """(img2dataset downloader processes of the node, download threads per process):
+    `SDPIPE_FETCH_PROCESSES`, else one per worker of the budget; `SDPIPE_FETCH_THREADS`, else
+    FETCH_THREADS. The fetch shard tasks running at once share these processes."""
+    processes = _env_int("SDPIPE_FETCH_PROCESSES") or workers(budget)
+    return processes, _env_int("SDPIPE_FETCH_THREADS") or FETCH_THREADS
 
 
 def pooled_shards(budget: int | None = None) -> int:

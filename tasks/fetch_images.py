@@ -3,28 +3,44 @@
 img2dataset only downloads (`disable_all_reencoding`: it keeps each image's bytes as served);
 the images then go through sdpipe's own decode workers (`tasks.images`), the one rule set of
 every source: EXIF orientation, 16-bit, alpha, CMYK, bombs (`too_large`), truncation, the size
-floor, resize + crop, JPEG. img2dataset runs in a child process (it installs signal handlers,
-which only a process's main thread may do, and stage tasks run in threads) and writes into a
-hidden temporary folder; its status parquet becomes the shard's sample table, with every
+floor, resize + crop, JPEG. Its status parquet becomes the shard's sample table, with every
 failure mapped to a named drop reason.
+
+Downloads run on the node's fetch pool (`FetchPool`): long-lived child processes that import
+img2dataset once and run its shard downloader (`img2dataset.downloader.Downloader`, what its
+own distributor runs in each of its processes) with many threads, sized by
+`concurrency.fetch_parallelism` (one process per core, 64 threads each, by default). A shard
+is split into pieces (`piece_rows`) that the pool downloads in parallel; each piece's images
+are decoded as soon as that piece is done, while the next ones download. So the stage pays
+img2dataset's start-up (~3 CPU-s per process: it imports torch through webdataset) once per
+process, not three times per shard (`img2dataset.download` spawns a logger and a pool process
+per call, each importing it again), and decoding overlaps downloading.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import math
+import os
+import queue
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
+import traceback
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tasks import images
+from tasks import concurrency, images
 from tasks.shards import (
     ShardStats,
     atomic_path,
@@ -36,6 +52,14 @@ from tasks.shards import (
 
 STAGE = "shards"
 KEY_COLUMN = "sdpipe_key"
+# img2dataset's input columns, in the order its reader gives them to its downloader.
+COLUMNS = [KEY_COLUMN, "caption", "url"]
+# A piece is at most this many rounds of a process's threads: short enough that the first
+# images reach the decoders early, long enough that a piece's tail (threads idle while its
+# last requests finish) is a small part of it.
+PIECE_ROUNDS = 8
+# What img2dataset.download honours by default (X-Robots-Tag opt-outs).
+DISALLOWED_HEADER_DIRECTIVES = ["noai", "noimageai", "noindex", "noimageindex"]
 
 
 def drop_reason(error_message: str | None) -> str:
@@ -60,112 +84,314 @@ class FetchFailed(Exception):
     """img2dataset itself failed (not one URL: the whole shard)."""
 
 
-def run_img2dataset(workdir: Path, kwargs: dict) -> None:
-    """`img2dataset.download(**kwargs)` in a child process; its output goes to a log file."""
-    log = workdir / "img2dataset.log"
-    with open(log, "w") as out:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import json, sys; from img2dataset import download; "
-                "download(**json.load(sys.stdin))",
-            ],
-            input=json.dumps(kwargs),
+def parallelism(thread_count: int | None = None) -> tuple[int, int]:
+    """(downloader processes of the node, threads per process): `concurrency`'s setting, the
+    threads overridden by a task's `thread_count`."""
+    processes, threads = concurrency.fetch_parallelism()
+    return processes, thread_count or threads
+
+
+def piece_rows(num_rows: int, processes: int, threads: int) -> int:
+    """Rows per piece of a shard: at most PIECE_ROUNDS rounds of a process's threads, and
+    enough pieces (each at least a round) that one shard alone keeps every process busy."""
+    if num_rows == 0:
+        return 1
+    pieces = max(
+        math.ceil(num_rows / (PIECE_ROUNDS * threads)),
+        min(processes, math.ceil(num_rows / threads)),
+    )
+    return math.ceil(num_rows / pieces)
+
+
+# ---- the downloader processes ----------------------------------------------------------------
+
+
+def serve() -> None:
+    """A downloader process: JSON requests on stdin (one line each, run in a thread apiece),
+    a JSON reply line per request on stdout. Exits at once when stdin closes (its parent
+    finished or died), even mid-download."""
+    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # no update check over the network
+    from img2dataset.downloader import Downloader
+    from img2dataset.resizer import Resizer
+    from img2dataset.writer import WebDatasetSampleWriter
+
+    # The protocol gets a private copy of stdout; fd 1 goes to stderr, so what img2dataset
+    # prints cannot corrupt it.
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    lock = threading.Lock()
+    resizer = Resizer(
+        image_size=0, resize_mode="no", resize_only_if_bigger=False, disable_all_reencoding=True
+    )
+
+    def run(request: dict) -> None:
+        try:
+            Downloader(
+                sample_writer_class=WebDatasetSampleWriter,
+                resizer=resizer,
+                thread_count=request["thread_count"],
+                save_caption=True,
+                extract_exif=False,  # not kept: the shard's JSON drops it
+                output_folder=request["output_folder"],
+                column_list=COLUMNS,
+                timeout=request["timeout"],
+                number_sample_per_shard=request["rows"],
+                oom_shard_count=5,
+                compute_hash="sha256",
+                verify_hash_type=None,
+                encode_format="jpg",
+                retries=request["retries"],
+                user_agent_token=None,
+                disallowed_header_directives=DISALLOWED_HEADER_DIRECTIVES,
+            ).download_shard((request["piece"], request["input"]))
+            reply = {"id": request["id"], "error": None}
+        except Exception:  # the piece failed (not one URL): the parent retries it once
+            reply = {"id": request["id"], "error": traceback.format_exc(limit=3)[-2000:]}
+        with lock:
+            out.write(json.dumps(reply) + "\n")
+            out.flush()
+
+    for line in sys.stdin:
+        threading.Thread(target=run, args=(json.loads(line),), daemon=True).start()
+    os._exit(0)
+
+
+class WorkerDied(Exception):
+    pass
+
+
+class _Downloader:
+    """One downloader process, one request at a time."""
+
+    def __init__(self):
+        path = os.pathsep.join(p for p in (images._PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        env.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tasks.fetch_images"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             text=True,
-            stdout=out,
-            stderr=subprocess.STDOUT,
+            env=env,
         )
-    if proc.returncode != 0:
-        tail = log.read_text().strip().splitlines()[-5:]
-        raise FetchFailed(f"img2dataset exited with {proc.returncode}: {' | '.join(tail)}")
+        self.next_id = 0
+
+    def call(self, request: dict) -> str | None:
+        """The piece downloaded: None, or img2dataset's error."""
+        self.next_id += 1
+        try:
+            self.proc.stdin.write(json.dumps({**request, "id": self.next_id}) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                raise EOFError
+            return json.loads(line)["error"]
+        except (EOFError, OSError, ValueError) as e:
+            self.proc.kill()
+            self.proc.wait()
+            raise WorkerDied(f"downloader process exited with {self.proc.returncode}") from e
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        self.proc.wait()
 
 
-def download(
-    table: pa.Table,
-    workdir: Path,
-    *,
-    thread_count: int = 16,
-    retries: int = 2,
-    timeout: int = 10,
-) -> tuple[pa.Table, Path]:
+class FetchPool:
+    """The node's img2dataset downloader processes, fed pieces from one queue (first come,
+    first served: a shard's pieces are spread over every process). Each process is started
+    at once, so its imports overlap the work of the first shard; it lives for every later
+    shard. A piece that fails, or whose process dies, is tried once more (as img2dataset's
+    own distributor does), in a new process if it died."""
+
+    def __init__(self, processes: int):
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._serve, name=f"fetch-{i}", daemon=True)
+            for i in range(processes)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, request: dict) -> Future:
+        future: Future = Future()
+        self.tasks.put((future, request))
+        return future
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.tasks.put(None)
+        for t in self.threads:
+            t.join()
+
+    def _serve(self) -> None:
+        worker = None
+        try:
+            worker = _Downloader()
+        except OSError:  # started again at the first piece, which then reports the error
+            worker = None
+        while (task := self.tasks.get()) is not None:
+            future, request = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                error = None
+                for _ in range(2):
+                    try:
+                        worker = worker or _Downloader()
+                        error = worker.call(request)
+                    except WorkerDied as e:
+                        worker, error = None, str(e)
+                    if error is None:
+                        break
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(FetchFailed(f"img2dataset: {error.strip()}"))
+            except BaseException as e:  # e.g. no process could be started: fail the piece
+                future.set_exception(e)
+        if worker is not None:
+            worker.close()
+
+
+_pools: dict[int, FetchPool] = {}
+_pools_lock = threading.Lock()
+
+
+@atexit.register
+def _close_pools() -> None:
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.close()
+
+
+def fetch_pool(processes: int) -> FetchPool:
+    """The process's pool of `processes` downloaders, kept for every later shard."""
+    with _pools_lock:
+        if processes not in _pools:
+            _pools[processes] = FetchPool(processes)
+        return _pools[processes]
+
+
+class Download:
     """img2dataset over `table`'s rows (url, caption, key) into `workdir`, images kept as
-    served: (its status parquet, with the sdpipe key in KEY_COLUMN; its tar)."""
-    pq.write_table(
-        table.select(["url", "caption", "key"]).rename_columns(["url", "caption", KEY_COLUMN]),
-        workdir / "input.parquet",
-    )
-    run_img2dataset(
-        workdir,
-        dict(
-            url_list=str(workdir / "input.parquet"),
-            input_format="parquet",
-            url_col="url",
-            caption_col="caption",
-            save_additional_columns=[KEY_COLUMN],
-            output_folder=str(workdir / "out"),
-            output_format="webdataset",
-            disable_all_reencoding=True,
-            processes_count=1,
-            thread_count=thread_count,
-            number_sample_per_shard=max(table.num_rows, 1),
-            retries=retries,
-            timeout=timeout,
-            compute_hash="sha256",
-            enable_wandb=False,
-        ),
-    )
-    return pq.read_table(workdir / "out" / "00000.parquet"), workdir / "out" / "00000.tar"
+    served, in pieces on the node's fetch pool; `pieces()` yields each piece's (status
+    parquet with the sdpipe key in KEY_COLUMN, its tar) in order, as soon as it is done."""
+
+    def __init__(
+        self,
+        table: pa.Table,
+        workdir: Path,
+        *,
+        thread_count: int | None = None,
+        retries: int = 2,
+        timeout: int = 10,
+    ):
+        processes, threads = parallelism(thread_count)
+        rows = piece_rows(table.num_rows, processes, threads)
+        inputs, self.out = workdir / "in", workdir / "out"
+        inputs.mkdir()
+        self.out.mkdir()
+        pool = fetch_pool(processes)
+        rename = table.select(["key", "caption", "url"]).rename_columns(COLUMNS)
+        self.futures: list[Future] = []
+        for i, first in enumerate(range(0, max(table.num_rows, 1), rows)):
+            piece = rename.slice(first, rows)
+            path = inputs / f"{i}.feather"
+            with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, piece.schema) as w:
+                w.write_table(piece)
+            request = dict(
+                piece=i,
+                input=str(path),
+                output_folder=str(self.out),
+                rows=rows,
+                thread_count=threads,
+                timeout=timeout,
+                retries=retries,
+            )
+            self.futures.append(pool.submit(request))
+        self.statuses: list[pa.Table] = []
+        self.rows: dict[str, dict] = {}  # status row by sdpipe key, of the pieces read so far
+
+    def pieces(self) -> Iterator[tuple[pa.Table, Path]]:
+        for i, future in enumerate(self.futures):
+            future.result()
+            status = pq.read_table(self.out / f"{i:05d}.parquet")
+            self.statuses.append(status)
+            self.rows.update((r[KEY_COLUMN], r) for r in status.to_pylist())
+            yield status, self.out / f"{i:05d}.tar"
+
+    def status(self) -> pa.Table:
+        """Every piece's status rows (after `pieces()` went through them)."""
+        return pa.concat_tables(self.statuses)
+
+    def __enter__(self) -> Download:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Cancel the pieces not started; wait for the running ones (they write into
+        `workdir`, which the caller removes next)."""
+        for f in self.futures:
+            f.cancel()
+        for f in self.futures:
+            if not f.cancelled():
+                f.exception()
 
 
-def _raw_images(raw_tar: Path, i2d_keys: dict[str, str], row_of: dict[str, int]) -> Iterator:
-    """(row, bytes, None) of every image img2dataset fetched, in the order of its tar."""
-    with tarfile.open(raw_tar) as src:
-        for member in src:
-            name, _, ext = member.name.partition(".")
-            if member.isfile() and ext == "jpg":  # the served bytes, whatever their format
-                yield row_of[i2d_keys[name]], src.extractfile(member).read(), None
+def _raw_images(download: Download, row_of: dict[str, int]) -> Iterator:
+    """(row, bytes, None) of every image img2dataset fetched: piece by piece as each is done,
+    in the order of its tar; a piece's tar is removed once read."""
+    for status, raw_tar in download.pieces():
+        i2d_keys = dict(zip(status["key"].to_pylist(), status[KEY_COLUMN].to_pylist(), strict=True))
+        with tarfile.open(raw_tar) as src:
+            for member in src:
+                name, _, ext = member.name.partition(".")
+                if member.isfile() and ext == "jpg":  # the served bytes, whatever their format
+                    yield row_of[i2d_keys[name]], src.extractfile(member).read(), None
+        raw_tar.unlink()
 
 
 def repack_fetched(
     tar: tarfile.TarFile,
     rows: pa.Table,
-    status: pa.Table,
-    raw_tar: Path,
+    download: Download,
     *,
     size: int,
     min_side: int,
-) -> list[tuple[str, int | None, int | None]]:
-    """Decode img2dataset's raw images by sdpipe's rules into `tar` (key.jpg/.txt/.json);
-    per row of `rows` (url, caption, key): (status, stored width, stored height)."""
+) -> tuple[pa.Table, list[tuple[str, int | None, int | None]]]:
+    """Decode img2dataset's raw images by sdpipe's rules into `tar` (key.jpg/.txt/.json) as
+    its pieces come in: (img2dataset's status rows, and per row of `rows` (url, caption, key):
+    (status, stored width, stored height))."""
     keys = rows["key"].to_pylist()
     row_of = {k: i for i, k in enumerate(keys)}
-    fetched = {r[KEY_COLUMN]: r for r in status.to_pylist()}
-    out: list[tuple[str, int | None, int | None]] = []
-    for key in keys:
-        r = fetched[key]
-        ok = r["status"] == "success"
-        out.append(("success" if ok else drop_reason(r["error_message"]), None, None))
-    i2d_keys = dict(zip(status["key"].to_pylist(), status[KEY_COLUMN].to_pylist(), strict=True))
-    results = images.repack_stream(
-        images.shared_pool(),
-        _raw_images(raw_tar, i2d_keys, row_of),
-        size,
-        min_side=min_side,
-    )
     captions = rows["caption"].to_pylist()
+    decoded: dict[int, tuple[str, int | None, int | None]] = {}
+    results = images.repack_stream(
+        images.shared_pool(), _raw_images(download, row_of), size, min_side=min_side
+    )
     for i, result in results:
         if isinstance(result, str):
-            out[i] = (result, None, None)
+            decoded[i] = (result, None, None)
             continue
         jpeg, width, height = result
-        meta = {k: v for k, v in fetched[keys[i]].items() if k != KEY_COLUMN}
+        meta = {k: v for k, v in download.rows[keys[i]].items() if k != KEY_COLUMN}
         meta.update(key=keys[i], width=width, height=height)
         for drop in ("original_width", "original_height", "exif"):
             meta.pop(drop, None)
         images.write_sample(tar, keys[i], jpeg, captions[i] or "", meta)
-        out[i] = ("success", width, height)
-    return out
+        decoded[i] = ("success", width, height)
+    out = []
+    for i, key in enumerate(keys):
+        r = download.rows[key]
+        if i in decoded:
+            out.append(decoded[i])
+        elif r["status"] == "success":
+            out.append(("success", None, None))
+        else:
+            out.append((drop_reason(r["error_message"]), None, None))
+    return download.status(), out
 
 
 def fetch_images_shard(
@@ -183,15 +409,15 @@ def fetch_images_shard(
     def work(stats: ShardStats) -> None:
         table = pq.read_table(filtered)
         stats.num_in = table.num_rows
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-") as tmp:
-            status, raw_tar = download(table, Path(tmp), **download_options)
-            with (
-                atomic_path(out_dir / f"{shard}.tar") as tar_tmp,
-                tarfile.open(tar_tmp, "w") as tar,
-            ):
-                fetched = repack_fetched(
-                    tar, table, status, raw_tar, size=image_size, min_side=min_side
-                )
+        with (
+            tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-") as tmp,
+            Download(table, Path(tmp), **download_options) as download,
+            atomic_path(out_dir / f"{shard}.tar") as tar_tmp,
+            tarfile.open(tar_tmp, "w") as tar,
+        ):
+            status, fetched = repack_fetched(
+                tar, table, download, size=image_size, min_side=min_side
+            )
         samples = _sample_table(table, status, fetched, source)
         with atomic_path(out_dir / f"{shard}.parquet") as tmp_table:
             pq.write_table(samples, tmp_table)
@@ -270,8 +496,10 @@ def refetch_shard(
     if not pick:
         return None
     retry = samples.take(pick)
-    with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-refetch-") as tmp:
-        status, raw_tar = download(retry, Path(tmp), **download_options)
+    with (
+        tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-refetch-") as tmp,
+        Download(retry, Path(tmp), **download_options) as download,
+    ):
         again = set(retry["key"].to_pylist())
         with (
             atomic_path(out_dir / f"{shard}.tar") as tar_tmp,
@@ -281,8 +509,8 @@ def refetch_shard(
             for member in old:  # what was fetched before stays, byte for byte
                 if member.name.partition(".")[0] not in again:
                     new.addfile(member, old.extractfile(member))
-            fetched = repack_fetched(
-                new, retry, status, raw_tar, size=image_size, min_side=min_side
+            status, fetched = repack_fetched(
+                new, retry, download, size=image_size, min_side=min_side
             )
         fresh = _sample_table(retry, status, fetched, source)
     by_key = {k: i for i, k in enumerate(fresh["key"].to_pylist())}
@@ -348,3 +576,7 @@ def _sample_table(
         .append_column("status", pa.array(statuses, pa.string()))
         .append_column("error_message", pa.array(messages, pa.string()))
     )
+
+
+if __name__ == "__main__":
+    serve()

@@ -2,7 +2,8 @@
 
 Each network gets LAION's own preprocessing (open_clip's bicubic resize + center crop, the
 watermark model's 256x256 stretch) and its heads as published, so real weights reproduce
-LAION's numbers, not near ones. The fp16 embedding is kept for semantic dedup.
+LAION's numbers, not near ones. The fp16 embedding is kept for semantic dedup. A shard streams
+through decode -> preprocessing -> networks a few batches at a time: memory does not grow with it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -284,30 +287,109 @@ def read_images(tar_path: Path, keys: set[str]) -> dict[str, bytes]:
     return out
 
 
-def _decode(scorer: Scorer, data: bytes) -> tuple | str:
-    """(network inputs, pHash) of one image's bytes, or the reason it cannot be scored."""
+def image_members(tar: tarfile.TarFile, keys: set[str]) -> dict[str, tarfile.TarInfo]:
+    """key -> the member holding its image, for `keys` (the last one, as `read_images` keeps):
+    headers only, no image bytes are read."""
+    found = {}
+    while (member := tar.next()) is not None:
+        # tarfile keeps every header it reads; three per sample would grow with the shard.
+        tar.members.clear()
+        key, _, ext = member.name.partition(".")
+        if key in keys and ext.lower() in IMAGE_EXTENSIONS and member.isfile():
+            found[key] = member
+    return found
+
+
+class _Slots:
+    """The network inputs of `num_slots` images, allocated once per shard.
+
+    A decoder writes an image's inputs into a free slot and a batch is gathered from its
+    images' slots, so the inputs held do not grow with the shard, and every large tensor a
+    decoder makes is freed in its own thread (freed in another, glibc kept the memory in the
+    decoders' arenas: the RSS crept up with every image).
+    """
+
+    def __init__(self, scorer: Scorer, num_slots: int):
+        shapes = [t.shape for t in scorer.prepare(Image.new("RGB", (8, 8))) if t is not None]
+        self.inputs = [torch.empty((num_slots, *shape)) for shape in shapes]
+        self.same_input = scorer.same_input
+        self.free = list(range(num_slots))
+
+    def write(self, slot: int, prepared: tuple) -> None:
+        for buf, tensor in zip(self.inputs, (t for t in prepared if t is not None), strict=True):
+            buf[slot].copy_(tensor)
+
+    def prepared(self, slot: int) -> tuple:
+        """What `Scorer.prepare` returned for the slot's image (views of the slot)."""
+        views = [buf[slot] for buf in self.inputs]
+        return (views[0], None, views[1]) if self.same_input else tuple(views)
+
+
+def _decode(scorer: Scorer, data: bytes, slots: _Slots, slot: int) -> int | str:
+    """pHash of one image's bytes, its network inputs written to `slot`; or the reason it
+    cannot be scored."""
     try:
         img = Image.open(io.BytesIO(data))
         img = img.convert("RGB")
     except Exception:  # any decoder failure is this one image's, not the shard's
         return "decode_error"
-    return scorer.prepare(img), phash(img)
+    slots.write(slot, scorer.prepare(img))
+    return phash(img)
 
 
 def score_images(
-    scorer: Scorer, images: list[bytes], captions: list[str], *, batch_size: int, workers: int
+    scorer: Scorer,
+    images: Iterable[bytes],
+    captions: Iterable[str],
+    *,
+    batch_size: int,
+    workers: int,
+    ahead: int = 2,
 ) -> tuple[list[int], Scores, dict[int, str]]:
-    """Score image bytes: (indices scored, their scores, drop reason per unscored index)."""
-    with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without the GIL
-        decoded = list(pool.map(lambda d: _decode(scorer, d), images))
-    dropped = {i: d for i, d in enumerate(decoded) if isinstance(d, str)}
-    rows = [i for i in range(len(images)) if i not in dropped]
+    """Score image bytes: (indices scored, their scores, drop reason per unscored index).
+
+    Streamed: worker threads decode and prepare up to `ahead` batches beyond the one being
+    filled, so memory holds a few batches of network inputs, not the shard's. A batch is the
+    next `batch_size` decodable images in order, as when the whole input was decoded first, so
+    the scores are the same bits.
+    """
+    rows: list[int] = []
+    dropped: dict[int, str] = {}
     parts: dict[str, list[np.ndarray]] = {}
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        out = scorer.score([decoded[i][0] for i in batch], [captions[i] for i in batch])
+    slots = _Slots(scorer, (ahead + 1) * batch_size)
+    batch: list[tuple[int, str, int]] = []  # (slot, caption, pHash) of the batch being filled
+
+    def score_batch() -> None:
+        out = scorer.score([slots.prepared(b[0]) for b in batch], [b[1] for b in batch])
+        out["phash"] = np.array([b[2] for b in batch], np.uint64)
         for name, values in out.items():
             parts.setdefault(name, []).append(values)
+        slots.free += [b[0] for b in batch]
+        batch.clear()
+
+    def take() -> None:
+        i, slot, caption, decoded = pending.popleft()
+        result = decoded.result()
+        if isinstance(result, str):
+            dropped[i] = result
+            slots.free.append(slot)
+            return
+        rows.append(i)
+        batch.append((slot, caption, result))
+        if len(batch) == batch_size:
+            score_batch()
+
+    pending: deque[tuple[int, int, str, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without the GIL
+        for i, (data, caption) in enumerate(zip(images, captions, strict=True)):
+            while not slots.free:
+                take()
+            slot = slots.free.pop()
+            pending.append((i, slot, caption, pool.submit(_decode, scorer, data, slots, slot)))
+        while pending:
+            take()
+    if batch:
+        score_batch()
     dim = scorer.embed.visual.output_dim
 
     def cat(name: str, dtype, shape=(0,)) -> np.ndarray:
@@ -318,7 +400,7 @@ def score_images(
         similarity=cat("similarity", np.float32),
         pwatermark=cat("pwatermark", np.float32),
         punsafe=cat("punsafe", np.float32),
-        phash=np.array([decoded[i][1] for i in rows], np.uint64),
+        phash=cat("phash", np.uint64),
         embedding=cat("embedding", np.float16, (0, dim)),
     )
     return rows, scores, dropped
@@ -361,17 +443,19 @@ def score_shard(
         table = pq.read_table(table_path, columns=["key", "caption", "status"]).to_pylist()
         rows = [r for r in table if r["status"] == "success"]
         stats.num_in = len(rows)
-        data = read_images(tar_path, {r["key"] for r in rows})
-        present = [r for r in rows if r["key"] in data]
-        if len(present) < len(rows):
-            stats.drop("missing_image", len(rows) - len(present))
-        scored, scores, dropped = score_images(
-            scorer,
-            [data[r["key"]] for r in present],
-            [r["caption"] for r in present],
-            batch_size=batch_size or spec.batch_size,
-            workers=workers or min(8, os.cpu_count() or 1),
-        )
+        with tarfile.open(tar_path) as tar:
+            members = image_members(tar, {r["key"] for r in rows})
+            present = [r for r in rows if r["key"] in members]
+            if len(present) < len(rows):
+                stats.drop("missing_image", len(rows) - len(present))
+            # Each image is read as the decoders reach it, in sample-table order.
+            scored, scores, dropped = score_images(
+                scorer,
+                (tar.extractfile(members[r["key"]]).read() for r in present),
+                [r["caption"] for r in present],
+                batch_size=batch_size or spec.batch_size,
+                workers=workers or min(8, os.cpu_count() or 1),
+            )
         for reason in dropped.values():
             stats.drop(reason)
         out = scores_table([present[i]["key"] for i in scored], scores)

@@ -48,3 +48,16 @@ def test_each_stage_derives_its_concurrency_from_the_budget(monkeypatch):
 def test_work_in_the_process_pool_runs_in_another_process():
     assert concurrency.in_process(2, os.getpid) != os.getpid()
     assert concurrency.process_pool(2) is concurrency.process_pool(2)  # kept for later shards
+
+
+def test_the_flows_budget_is_the_setting_while_it_runs(monkeypatch):
+    """What sizes itself from SDPIPE_WORKERS (fetch's downloader processes) follows the flow's
+    `workers` parameter during the run, and the setting is back after it."""
+    from flows.build_latents import worker_budget
+
+    monkeypatch.setenv("SDPIPE_WORKERS", "5")
+    monkeypatch.delenv("SDPIPE_FETCH_PROCESSES", raising=False)
+    with worker_budget(12):
+        assert concurrency.workers() == 12
+        assert concurrency.fetch_parallelism()[0] == 12
+    assert concurrency.workers() == 5

@@ -207,3 +207,23 @@ def test_phash_is_stable_under_reencoding_and_resizing():
     h = score.phash(original)
     assert bin(h ^ score.phash(copy)).count("1") <= 4
     assert bin(h ^ score.phash(other)).count("1") > 10
+
+
+def test_score_shard_follows_the_sample_table_not_the_tar(tiny, tmp_path):
+    # Images are read from the tar as the decoders reach them, in sample-table order, whatever
+    # order the tar holds them in; a key's last image member is its image.
+    keys = [f"k{i}" for i in range(7)]
+    images = {k: jpeg(i, 48) for i, k in enumerate(keys)}
+    members = {f"{k}.jpg": images[k] for k in reversed(keys)}
+    members["k2.png"] = images["k2"] = jpeg(99, 40)  # after k2.jpg in the tar
+    rows = [{"key": k, "caption": f"scene {k}", "status": "success"} for k in keys]
+    write_shard(tmp_path, "src", members, rows)
+    score.score_shard(tmp_path, "src", "00000", tiny, device="cpu", batch_size=3, workers=2)
+    table = pq.read_table(tmp_path / "src" / "scores" / "00000.parquet")
+    assert table["key"].to_pylist() == keys
+    scorer = score.load_scorer(tiny, torch.device("cpu"))
+    _, expected, _ = score.score_images(
+        scorer, [images[k] for k in keys], [r["caption"] for r in rows], batch_size=3, workers=1
+    )
+    np.testing.assert_array_equal(table["aesthetic"].to_numpy(), expected.aesthetic)
+    np.testing.assert_array_equal(table["phash"].to_numpy(), expected.phash)
