@@ -4,12 +4,20 @@ fetch-metadata -> filter -> fetch-images -> [score] -> filter-pixels -> views ->
 encode; score runs when the source's profile names a scorer. Global stages (filter,
 filter-pixels) wait for every shard before them; per-shard stages run for the shards whose
 inputs finished, so one bad shard costs only its own chain.
+
+The node sets the pace (`workers`: the node's worker budget, default the cores, see
+tasks/concurrency.py), each stage with its own bound: fetch `concurrency.fetch_shards`,
+repack `concurrency.pooled_shards` (into the shared decode pool), tokenize `workers` shards
+(in processes above 2), score and encode one long-lived worker per device of the GPU pool
+(flows/devices.py). Per-shard stages overlap where no global step sits between them: a
+shard is scored as soon as it is fetched, encoded as soon as it is tokenized.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -19,14 +27,18 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
 from flows import pools
-from flows.stages import DISPLAY, StageFailed, publish_waterfall, run_stage
+from flows.devices import Devices, read_ahead, warm_file
+from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
+from sdtrain.lazy import BUILD_LOCK
 from tasks import (
     adapters,
+    concurrency,
     demo_source,
     encode,
     fetch_images,
     filter,
     hf_export,
+    images,
     metadata,
     score,
     shards,
@@ -38,6 +50,12 @@ from tasks.score import ScoringWeightsError
 from tasks.shards import read_stats, summarize
 
 STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
+# Each stage bounds its own task runs (StageRun): the flow's pool only has to have a thread
+# for each, so its size is no limit (threads start on demand).
+TASK_THREADS = 1024
+# Shard task runs of a GPU stage at once, per device: they wait on the device's worker, and
+# enough of them keep its pipeline fed (one shard encoding, the next ones being read).
+SHARDS_PER_DEVICE = 4
 
 
 def preflight(source_name: str, root: Path) -> tuple[Catalog, Source]:
@@ -71,17 +89,34 @@ def source_summary(root: Path, source: str) -> dict[str, dict]:
     }
 
 
-@flow(name="build-latents", task_runner=ThreadPoolTaskRunner(max_workers=2), log_prints=True)
-def build_latents(source: str = "demo", data_root: str | None = None, hf_dataset: bool = False):
+@flow(
+    name="build-latents",
+    task_runner=ThreadPoolTaskRunner(max_workers=TASK_THREADS),
+    log_prints=True,
+)
+def build_latents(
+    source: str = "demo",
+    data_root: str | None = None,
+    hf_dataset: bool = False,
+    workers: int | None = None,
+):
     """Fetch, filter, tokenize and encode one catalog source into `<root>/<source>/`.
 
     `hf_dataset`: also export the tokens as a Hugging Face `datasets` DatasetDict
-    {train, validation} (seeded 1% split) under `<root>/<source>/hf/`."""
+    {train, validation} (seeded 1% split) under `<root>/<source>/hf/`.
+    `workers`: the node's worker budget (default `SDPIPE_WORKERS`, else the cores); each
+    stage's concurrency derives from it, score and encode from the node's devices."""
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
+        budget = concurrency.workers(workers)
+    except ValueError as e:  # workers=0, SDPIPE_WORKERS=abc: the message says what it expects
+        logger.error(str(e))
+        return Failed(message=str(e))
+    try:
         catalog, src = preflight(source, root)
-        run_source(root, catalog, src, hf_dataset=hf_dataset)
+        with worker_budget(budget):
+            run_source(root, catalog, src, hf_dataset=hf_dataset, workers=budget)
     except (CatalogError, SourceError, ScoringWeightsError, StageFailed) as e:
         logger.error(str(e))
         return Failed(message=str(e))
@@ -94,41 +129,127 @@ def build_latents(source: str = "demo", data_root: str | None = None, hf_dataset
     return summary
 
 
-def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = False) -> None:
+@contextlib.contextmanager
+def worker_budget(budget: int):
+    """`SDPIPE_WORKERS` is the run's budget while it runs, so what sizes itself from the
+    setting (fetch-images' downloader processes, `concurrency.fetch_parallelism`) follows the
+    flow's `workers` too."""
+    saved = os.environ.get("SDPIPE_WORKERS")
+    os.environ["SDPIPE_WORKERS"] = str(budget)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("SDPIPE_WORKERS", None)
+        else:
+            os.environ["SDPIPE_WORKERS"] = saved
+
+
+def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[str, int]:
+    """Shard task runs at once per stage, from the node's worker budget and its devices.
+
+    Downloads (fetch-metadata, fetch-images): `concurrency.fetch_shards` (each fetch shard runs
+    its own processes and threads); repack: `concurrency.pooled_shards` (readers feeding the
+    shared decode processes); views and tokenize: the budget (tokenize in that many processes
+    above 2); score and encode: `SHARDS_PER_DEVICE` per device, waiting on its one worker. A
+    2-core machine without GPUs: 2 at a time, as before; score and encode one shard at a time
+    on `cpu:0` (the GPU pool's one slot), as before."""
+    fetch = concurrency.fetch_shards(budget)
+    return {
+        "metadata": fetch,
+        "shards": concurrency.pooled_shards(budget) if archive else fetch,
+        "scores": SHARDS_PER_DEVICE * devices,
+        "views": budget,
+        "tokens": budget,
+        "latents": SHARDS_PER_DEVICE * devices,
+    }
+
+
+class _Run:
+    """The stages of one source's build: what failed so far, and the barriers it blocks."""
+
+    def __init__(self, root: Path, src: Source, budget: int):
+        self.root, self.name, self.budget = root, src.name, budget
+        archive = src.kind in ("archive", "folder")
+        self.limits = stage_limits(budget, len(pools.node_devices()), archive=archive)
+        self.stages = StageRun(root, src.name)
+        self.failures: list[str] = []
+        self.permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
+
+    def stage(
+        self,
+        stage_name: str,
+        *,
+        limit: int | None,
+        needs_all: bool = False,
+        inputs: dict | None = None,
+        expected: int = 0,
+    ) -> Stage:
+        if needs_all and self.failures:
+            raise StageFailed(
+                f"{DISPLAY[stage_name]} needs every shard before it: "
+                + _failed(self.failures, self.permanent)
+            )
+        one = self.stages.stage(stage_name, limit=limit, inputs=inputs, expected=expected)
+        one.on_end(self._record)
+        return one
+
+    def _record(self, one: Stage) -> None:
+        for s in sorted(one.failed):
+            unit = f"{one.name}-{self.name}-{s}"
+            self.failures.append(unit)
+            if one.failed[s].startswith("cannot succeed on a retry"):
+                self.permanent.append(f"{unit} {one.failed[s]}")
+
+    def run(
+        self,
+        stage_name: str,
+        units: dict,
+        *,
+        limit: int | None = None,
+        needs_all: bool = False,
+        inputs: dict | None = None,
+    ) -> dict[str, dict]:
+        """One stage on its own: every unit, then return the finished ones' stats."""
+        one = self.stage(stage_name, limit=limit, needs_all=needs_all, inputs=inputs)
+        for unit, fn in units.items():
+            one.add(unit, fn)
+        one.seal()
+        self.stages.wait()
+        return one.done
+
+
+def run_source(
+    root: Path,
+    catalog: Catalog,
+    src: Source,
+    *,
+    hf_dataset: bool = False,
+    workers: int | None = None,
+) -> None:
     name = src.name
     profile = catalog.profile(src.profile)
     model = catalog.model(src.model)
-    scored = bool(profile.scorer)
-    failures: list[str] = []
-    permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
+    budget = concurrency.workers(workers)
+    run = _Run(root, src, budget)
+    get_run_logger().info(
+        "build-latents %s: %d workers, devices %s", name, budget, ", ".join(pools.node_devices())
+    )
 
-    def stage(
-        stage_name: str, units: dict, *, needs_all: bool = False, inputs: dict | None = None
-    ) -> dict[str, dict]:
-        if needs_all and failures:
-            raise StageFailed(
-                f"{DISPLAY[stage_name]} needs every shard before it: "
-                + _failed(failures, permanent)
-            )
-        done, failed = run_stage(root, name, stage_name, units, inputs)
-        for s in sorted(failed):
-            unit = f"{DISPLAY[stage_name]}-{name}-{s}"
-            failures.append(unit)
-            if failed[s].startswith("cannot succeed on a retry"):
-                permanent.append(f"{unit} {failed[s]}")
-        return done
-
-    if src.kind in ("archive", "folder"):
-        shard_names, fetched = archive_stages(root, src, profile, stage)
-    else:
-        shard_names, fetched = url_stages(root, src, profile, stage)
+    scored, scorer = bool(profile.scorer), None
     if scored:
         spec = catalog.scorer(profile.scorer)
-        stage(
-            "scores",
-            {s: functools.partial(score.score_shard, root, name, s, spec) for s in fetched},
+        scorer = Devices(
+            f"score-{name}",
+            functools.partial(_serve_scores, root, name, spec),
+            release=_release_scorer,
         )
-    stage(
+    with scorer or contextlib.nullcontext():
+        if src.kind in ("archive", "folder"):
+            shard_names = archive_stages(run, src, profile, scorer)
+        else:
+            shard_names = url_stages(run, src, profile, scorer)
+    run.run(
         "selected",
         {filter.ALL: functools.partial(select_pixels, root, name, profile, scored=scored)},
         needs_all=True,
@@ -136,35 +257,112 @@ def run_source(root: Path, catalog: Catalog, src: Source, *, hf_dataset: bool = 
     )
     selected_dir = root / name / "selected"
     publish_waterfall(name, selected_dir / "waterfall.json", selected_dir / "gallery.html")
+
+    # views, tokenize and encode at once: a shard is encoded as soon as it is tokenized.
     datasets = sorted(d.name for d in catalog.datasets.values() if d.source == name)
-    stage(
+    view_stage = run.stage(
         "views",
-        {d: functools.partial(views.build_view, root, catalog, d) for d in datasets},
+        limit=run.limits["views"],
         inputs={d: views.fingerprint(root, catalog, d) for d in datasets},
     )
     for d in datasets:
+        view_stage.add(d, functools.partial(views.build_view, root, catalog, d))
+    view_stage.seal()
+    encoders = Devices(
+        f"encode-{name}",
+        functools.partial(_serve_latents, root, name, model, budget),
+        release=encode.release_device,
+    )
+    with encoders:
+        tokens = run.stage("tokens", limit=run.limits["tokens"], expected=len(shard_names))
+        latents = run.stage("latents", limit=run.limits["latents"], expected=len(shard_names))
+        tokens.on_done(lambda s, _: latents.add(s, functools.partial(encoders.run, s)))
+        tokens.on_end(lambda _: latents.seal())
+        if hf_dataset:
+            tokens.on_end(lambda _: _export_hf(run))
+        for s in shard_names:
+            tokens.add(s, _tokenize_unit(root, name, s, budget))
+        tokens.seal()
+        run.stages.wait()
+    for d in datasets:
         paths = views.view_paths(root, name, d)
         publish_waterfall(name, paths["waterfall"], paths["gallery"])
-    tokenized = stage(
-        "tokens",
-        {s: functools.partial(tokenize.tokenize_shard, root, name, s) for s in shard_names},
-    )
-    if hf_dataset:
-        stage(
-            "hf",
-            {"all": functools.partial(hf_export.export_hf_dataset, root, name)},
-            needs_all=True,
+    if run.failures:
+        raise StageFailed(_failed(run.failures, run.permanent))
+
+
+def _export_hf(run: _Run) -> None:
+    """The Hugging Face export needs every shard's tokens: not run if a shard failed (the
+    flow then fails naming it; a retry runs the export)."""
+    if run.failures:
+        get_run_logger().error("%s needs every shard before it: not run", DISPLAY["hf"])
+        return
+    hf = run.stage("hf", limit=1)
+    hf.add("all", functools.partial(hf_export.export_hf_dataset, run.root, run.name))
+    hf.seal()
+
+
+def _tokenize_unit(root: Path, name: str, shard: str, budget: int):
+    """tokenize holds the GIL: its shards run in `budget` processes where the budget allows."""
+    if concurrency.use_processes(budget):
+        return functools.partial(
+            concurrency.in_process, budget, tokenize.tokenize_shard, root, name, shard
         )
-    stage(
-        "latents",
-        {
-            s: functools.partial(encode.encode_shard, root, name, s, model)
-            for s in shard_names
-            if s in tokenized
-        },
+    return functools.partial(tokenize.tokenize_shard, root, name, shard)
+
+
+def _serve_scores(root: Path, name: str, spec, device, shards):
+    """A device's scorer: built once on it (`score.load_scorer`), over the shards it is dealt,
+    the next shard's tar read while one is scored."""
+    tars = root / name / "shards"
+    for shard in read_ahead(shards, lambda s: warm_file(tars / f"{s}.tar")):
+        try:
+            stats = score.score_shard(root, name, shard, spec, device=str(device))
+        except Exception as e:  # this shard's failure; the worker goes on with the next
+            yield shard, e
+        else:
+            yield shard, stats
+
+
+def _release_scorer(device) -> None:
+    """Forget this process's scorers on `device` once its worker gives it back."""
+    with BUILD_LOCK:
+        cached = getattr(score, "_scorers", {})
+        for key in [k for k in cached if k[1] == str(device)]:
+            del cached[key]
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def _serve_latents(root: Path, name: str, model, budget: int, device, shards):
+    """A device's encoder: one pipeline over the shards it is dealt (`encode.encode_stream`).
+
+    On GPUs the node's decode processes are shared by every device's pipeline: the budget but
+    two cores per device (its I/O and feeding threads, the VAE's launches). On CPU the
+    encoder's default (1)."""
+    num_workers = None
+    if device.type == "cuda":
+        num_workers = max(1, budget - 2 * len(pools.node_devices()))
+    yield from encode.encode_stream(
+        root, name, shards, model, device=device, num_workers=num_workers
     )
-    if failures:
-        raise StageFailed(_failed(failures, permanent))
+
+
+def _fetch_then_score(run: _Run, units: dict, scorer) -> list[str]:
+    """fetch-images (or repack) and score as one chain per shard: a shard is scored (on a
+    device's scorer) as soon as it is fetched, while later shards still download."""
+    fetch = run.stage("shards", limit=run.limits["shards"], expected=len(units))
+    if scorer is not None:
+        scores = run.stage(score.STAGE, limit=run.limits["scores"], expected=len(units))
+        fetch.on_done(lambda s, _: scores.add(s, functools.partial(scorer.run, s)))
+        fetch.on_end(lambda _: scores.seal())
+    for s, fn in units.items():
+        fetch.add(s, fn)
+    fetch.seal()
+    run.stages.wait()
+    return list(units)
 
 
 def select_pixels(root: Path, name: str, profile, *, scored: bool):
@@ -177,18 +375,19 @@ def select_pixels(root: Path, name: str, profile, *, scored: bool):
         return filter.select_pixels(root, name, profile, scored=scored, device=on)
 
 
-def url_stages(root: Path, src: Source, profile, stage) -> tuple[list[str], dict]:
-    """fetch-metadata -> filter (metadata rules, before any image) -> fetch-images."""
-    name = src.name
+def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
+    """fetch-metadata -> filter (metadata rules, before any image) -> fetch-images [-> score]."""
+    root, name = run.root, src.name
     files = metadata.list_metadata_files(root, src)
-    stage(
+    run.run(
         "metadata",
         {
             f"{i:05d}": functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
             for i, f in enumerate(files)
         },
+        limit=run.limits["metadata"],
     )
-    stage(
+    run.run(
         "filtered",
         {
             filter.ALL: functools.partial(
@@ -206,38 +405,40 @@ def url_stages(root: Path, src: Source, profile, stage) -> tuple[list[str], dict
         if src.kind == "demo"
         else contextlib.nullcontext()
     )
-    with server:
-        fetched = stage(
-            "shards",
-            {
-                s: functools.partial(
-                    fetch_images.fetch_images_shard,
-                    root,
-                    name,
-                    s,
-                    image_size=src.resolution,
-                    min_side=profile.min_side,
-                )
-                for s in shard_names
-            },
+    units = {
+        s: functools.partial(
+            fetch_images.fetch_images_shard,
+            root,
+            name,
+            s,
+            image_size=src.resolution,
+            min_side=profile.min_side,
         )
-    return shard_names, fetched
+        for s in shard_names
+    }
+    with server:
+        return _fetch_then_score(run, units, scorer)
 
 
-def archive_stages(root: Path, src: Source, profile, stage) -> tuple[list[str], dict]:
-    """index (the adapter's listing -> sample-table shards) -> repack (archives -> JPEG shards)."""
+def archive_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
+    """index (the adapter's listing -> sample-table shards) -> repack (archives -> JPEG shards)
+    [-> score]."""
     adapter = adapters.adapter_for(src, profile)
-    stage(
+    run.run(
         "metadata",
-        {adapters.ALL: functools.partial(adapters.index_source, root, src, adapter)},
+        {adapters.ALL: functools.partial(adapters.index_source, run.root, src, adapter)},
         needs_all=True,
     )
-    shard_names = adapters.shard_names(root, src.name)
-    fetched = stage(
-        "shards",
-        {s: functools.partial(adapters.repack_shard, root, src, adapter, s) for s in shard_names},
-    )
-    return shard_names, fetched
+    units = {
+        s: functools.partial(_repack, run.root, src, adapter, s, run.budget)
+        for s in adapters.shard_names(run.root, src.name)
+    }
+    return _fetch_then_score(run, units, scorer)
+
+
+def _repack(root: Path, src: Source, adapter, shard: str, budget: int):
+    """repack into the node's decode workers: one process pool of `budget`, every shard's."""
+    return adapters.repack_shard(root, src, adapter, shard, pool=images.shared_pool(budget))
 
 
 def _failed(failures: list[str], permanent: list[str]) -> str:

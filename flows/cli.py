@@ -58,6 +58,7 @@ def cmd_build_latents(args: argparse.Namespace) -> int:
             source=args.source,
             data_root=args.data_root,
             hf_dataset=args.hf_dataset,
+            workers=args.workers,
             return_state=True,
         )
     return _report(state)
@@ -395,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-dataset",
         action="store_true",
         help="also export the tokens as a datasets DatasetDict under <root>/<source>/hf/",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="the node's worker budget each stage's concurrency derives from "
+        "(default: $SDPIPE_WORKERS, else the cores); score and encode use every device",
     )
     p.set_defaults(fn=cmd_build_latents)
     p = sub.add_parser("curriculum", help="build a phase's mix and train it, here")

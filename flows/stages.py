@@ -1,5 +1,10 @@
 """Prefect wrappers for stage logic: one task run per shard, named, cached, retried on I/O.
 
+A stage runs at most `limit` shard task runs at once (its own bound, not the flow's thread
+pool: stages of one flow run overlap, each with the concurrency its work wants), and a stage
+can take shards while it runs, so the next stage of a chain starts on a shard as soon as the
+one before has finished it (`StageRun`).
+
 The cache key is (stage, source, shard, stage version, data root) and results persist under
 the data root, so retrying a failed flow run resolves finished shards from the cache and runs
 only the shards that failed. The cache is only ever a shortcut for what the shard's record on
@@ -10,8 +15,10 @@ cache holds. Stage logic lives in `tasks/`; nothing here decides data.
 from __future__ import annotations
 
 import hashlib
+import queue
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -24,11 +31,10 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.filesystems import LocalFileSystem
-from prefect.futures import as_completed
+from prefect.futures import PrefectFuture
 
 from flows.credentials import export_secrets
 from flows.names import DISPLAY
-from flows.pools import gpu_slot
 from tasks.shards import ShardStats, generation, is_done
 from tasks.waterfall import Waterfall, dashboard_markdown
 
@@ -47,8 +53,6 @@ STAGE_VERSIONS = {
 }
 # Stages that read from the network get retries; compute stages fail fast.
 IO_STAGES = {"metadata": 2, "shards": 2}
-# Stages that hold a slot of the node's GPU pool limit (flows/pools.py) while they work.
-GPU_STAGES = {"scores", "latents"}
 
 
 PROGRESS_EVERY_S = 1.0
@@ -129,13 +133,10 @@ def shard_task(
     `inputs`: a digest of what the unit depends on besides its stage and shard (a view's
     profile and selection), so a change to them is a cache miss, not a cached "done".
 
-    Score and encode shards hold one slot of the GPU pool's global concurrency limit.
+    Score and encode shards hand their work to a device worker (flows/devices.py), which holds
+    a slot of the GPU pool and its device while it works.
     """
-    if stage in GPU_STAGES:
-        with gpu_slot():
-            stats = run()
-    else:
-        stats = run()
+    stats = run()
     logger = get_run_logger()
     verb = "already done" if stats.skipped else f"done in {stats.seconds:.1f}s"
     logger.info(
@@ -157,58 +158,179 @@ def run_stage(
     stage: str,
     units: dict[str, Callable[[], ShardStats]],
     inputs: dict[str, str] | None = None,
+    *,
+    limit: int | None = None,
 ) -> tuple[dict[str, dict], dict[str, str]]:
-    """Submit one task per shard, publish progress and counts; `inputs`: per shard, what its
-    result depends on besides the stage and shard (see `shard_task`).
+    """Submit one task per shard (at most `limit` at once; default all), publish progress and
+    counts; `inputs`: per shard, what its result depends on besides the stage and shard (see
+    `shard_task`).
 
     Every shard runs even if some fail. Returns (stats of finished shards, error per failed
     shard); the caller decides what the failures block.
     """
-    logger = get_run_logger()
-    export_secrets()  # HF token for gated sources: env or Secret block, masked in logs
-    name = DISPLAY[stage]
-    configured = shard_task.with_options(
-        retries=IO_STAGES.get(stage, 0),
-        retry_delay_seconds=2,
-        retry_condition_fn=_retry_unless_permanent,
-        result_storage=result_storage(root),
-    )
-    progress_id = create_progress_artifact(
-        0.0, key=f"{source}-{name}-progress", description=f"{name} {source}: shards done"
-    )
-    futures = {
-        configured.with_options(
-            task_run_name=f"{name}-{source}-{shard}",
-            # A cached "done" stands only while the unit's record and outputs do.
-            refresh_cache=not is_done(root, source, stage, shard),
-        ).submit(
-            stage=stage,
-            source=source,
-            shard=shard,
-            root=str(root),
-            run=run,
-            inputs=(inputs or {}).get(shard, ""),
-        ): shard
-        for shard, run in units.items()
-    }
-    done: dict[str, dict] = {}
-    failed: dict[str, str] = {}
-    last_update = time.monotonic()
-    for future in as_completed(list(futures)):
-        shard = futures[future]
+    run = StageRun(root, source)
+    one = run.stage(stage, limit=limit, inputs=inputs, expected=len(units))
+    for shard, unit in units.items():
+        one.add(shard, unit)
+    one.seal()
+    run.wait()
+    return one.done, one.failed
+
+
+class StageRun:
+    """The stages of one flow run that run at once, each shard task run submitted from the
+    flow's thread as a shard becomes ready, completions handled in the order they come."""
+
+    def __init__(self, root: Path, source: str):
+        export_secrets()  # HF token for gated sources: env or Secret block, masked in logs
+        self.root, self.source = root, source
+        self.storage = result_storage(root)
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.stages: list[Stage] = []
+
+    def stage(
+        self,
+        stage: str,
+        *,
+        limit: int | None = None,
+        inputs: dict[str, str] | None = None,
+        expected: int = 0,
+    ) -> Stage:
+        """A stage of this run: `limit` task runs at once (None: no bound of its own);
+        `expected`: the units it will get at most, for its progress."""
+        one = Stage(self, stage, limit=limit, inputs=inputs, expected=expected)
+        self.stages.append(one)
+        return one
+
+    def wait(self) -> None:
+        """Until every stage is sealed and its task runs finished (callbacks may add units to
+        later stages and seal them)."""
+        while not all(s.finished for s in self.stages):
+            if not any(s.running for s in self.stages):
+                unsealed = [s.name for s in self.stages if not s.sealed]
+                raise RuntimeError(f"stages {unsealed} wait for units nothing will add")
+            stage, future = self.events.get()
+            stage.completed(future)
+
+
+class Stage:
+    """One stage of a `StageRun`: `add` units (while it runs), `seal` when no more will come.
+
+    Callbacks run on the flow's thread (they may add units to a later stage): `on_done(fn)`,
+    fn(shard, stats) for each unit that finished; `on_end(fn)`, fn(stage) once it is sealed and
+    every unit has finished or failed.
+    """
+
+    def __init__(self, run: StageRun, stage: str, *, limit, inputs, expected: int):
+        self.run, self.stage, self.name = run, stage, DISPLAY[stage]
+        self.limit = limit
+        self.inputs = inputs or {}
+        self.expected = expected
+        self.configured = shard_task.with_options(
+            retries=IO_STAGES.get(stage, 0),
+            retry_delay_seconds=2,
+            retry_condition_fn=_retry_unless_permanent,
+            result_storage=run.storage,
+        )
+        self.progress_id = create_progress_artifact(
+            0.0,
+            key=f"{run.source}-{self.name}-progress",
+            description=f"{self.name} {run.source}: shards done",
+        )
+        self.waiting: deque[tuple[str, Callable[[], ShardStats]]] = deque()
+        self.running: dict[PrefectFuture, str] = {}
+        self.done: dict[str, dict] = {}
+        self.failed: dict[str, str] = {}
+        self.added = 0
+        self.sealed = self.ended = False
+        self.then: list[Callable[[str, dict], None]] = []
+        self.at_end: list[Callable[[Stage], None]] = []
+        self.started: float | None = None
+        self.last_update = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return self.sealed and not self.waiting and not self.running
+
+    def on_done(self, fn: Callable[[str, dict], None]) -> None:
+        self.then.append(fn)
+
+    def on_end(self, fn: Callable[[Stage], None]) -> None:
+        self.at_end.append(fn)
+
+    def add(self, shard: str, run: Callable[[], ShardStats]) -> None:
+        self.waiting.append((shard, run))
+        self.added += 1
+        self._fill()
+
+    def seal(self) -> None:
+        self.sealed = True
+        self._maybe_end()
+
+    def _fill(self) -> None:
+        while self.waiting and (self.limit is None or len(self.running) < self.limit):
+            shard, run = self.waiting.popleft()
+            root = self.run.root
+            future = self.configured.with_options(
+                task_run_name=f"{self.name}-{self.run.source}-{shard}",
+                # A cached "done" stands only while the unit's record and outputs do.
+                refresh_cache=not is_done(root, self.run.source, self.stage, shard),
+            ).submit(
+                stage=self.stage,
+                source=self.run.source,
+                shard=shard,
+                root=str(root),
+                run=run,
+                inputs=self.inputs.get(shard, ""),
+            )
+            self.started = self.started or time.monotonic()
+            self.running[future] = shard
+            future.add_done_callback(lambda f, events=self.run.events: events.put((self, f)))
+
+    def completed(self, future: PrefectFuture) -> None:
+        shard = self.running.pop(future)
+        ok = False
         try:
-            done[shard] = future.result()
+            self.done[shard] = future.result()
+            ok = True
         except Exception as e:  # a shard's failure is reported; the other shards go on
-            failed[shard] = failure_message(e)
-            logger.error("%s %s/%s failed: %s", name, source, shard, failed[shard])
-        finished = len(done) + len(failed)
-        # At most one update a second (and the last): one API call per shard would cost more
-        # than a trivial shard's work on a stage of thousands.
-        if finished == len(futures) or time.monotonic() - last_update >= PROGRESS_EVERY_S:
-            update_progress_artifact(progress_id, 100.0 * finished / len(futures))
-            last_update = time.monotonic()
-    publish_counts(source, name, done)
-    return done, failed
+            self.failed[shard] = failure_message(e)
+            get_run_logger().error(
+                "%s %s/%s failed: %s", self.name, self.run.source, shard, self.failed[shard]
+            )
+        self._fill()
+        finished = len(self.done) + len(self.failed)
+        total = max(self.expected, self.added, 1)
+        # At most one update a second (and the last, at the end): one API call per shard would
+        # cost more than a trivial shard's work on a stage of thousands.
+        if not self.finished and time.monotonic() - self.last_update >= PROGRESS_EVERY_S:
+            update_progress_artifact(self.progress_id, 100.0 * finished / total)
+            self.last_update = time.monotonic()
+        if ok:
+            for fn in self.then:
+                fn(shard, self.done[shard])
+        self._maybe_end()
+
+    def _maybe_end(self) -> None:
+        if not self.finished or self.ended:
+            return
+        self.ended = True
+        if self.started is not None:
+            get_run_logger().info(
+                "%s %s: %d shard(s) done, %d failed, %.1f s from its first shard to its last",
+                self.name,
+                self.run.source,
+                len(self.done),
+                len(self.failed),
+                time.monotonic() - self.started,
+            )
+        if self.added:
+            update_progress_artifact(
+                self.progress_id, 100.0 * (len(self.done) + len(self.failed)) / self.added
+            )
+        publish_counts(self.run.source, self.name, self.done)
+        for fn in self.at_end:
+            fn(self)
 
 
 # Counts a stage keeps in its stats records' `extra` that are not drops (the sample is kept),

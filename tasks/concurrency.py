@@ -10,14 +10,26 @@
   download threads of each (default 64, the low end of the README's 64-128): by default
   64 x the cores requests in flight on the node.
 - GPU stages (score, encode, semantic dedup) run one worker per device of the GPU pool
-  (`flows/pools.py`), not a number from here.
+  (`flows/pools.py`, `flows/devices.py`), not a number from here.
+- Stages whose Python holds the GIL (tokenize) run their shards in `process_pool`, `workers`
+  processes, where the budget is over `THREADS_UP_TO`; up to it, in the flow's threads (a
+  spawned interpreter costs ~3 s of imports, more than two threads lose to the GIL).
 
 Defaults keep a 2-core machine (CI) at 2 shards at a time, as before.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import TypeVar
+
+R = TypeVar("R")
+THREADS_UP_TO = 2
 
 
 def cores() -> int:
@@ -66,3 +78,44 @@ def fetch_parallelism(budget: int | None = None) -> tuple[int, int]:
     FETCH_THREADS. The fetch shard tasks running at once share these processes."""
     processes = _env_int("SDPIPE_FETCH_PROCESSES") or workers(budget)
     return processes, _env_int("SDPIPE_FETCH_THREADS") or FETCH_THREADS
+
+
+def pooled_shards(budget: int | None = None) -> int:
+    """Shard tasks at once of a stage whose heavy work runs in a process pool shared by its
+    shards (repack: the decode workers, `workers` of them): each shard task only reads and
+    feeds, so one per 8 workers keeps the pool busy; at least 2."""
+    return max(2, workers(budget) // 8)
+
+
+def use_processes(budget: int | None = None) -> bool:
+    """Whether GIL-bound shard work goes to `process_pool` (the budget is over THREADS_UP_TO)."""
+    return workers(budget) > THREADS_UP_TO
+
+
+_process_pools: dict[int, ProcessPoolExecutor] = {}
+_process_lock = threading.Lock()
+
+
+def process_pool(n: int) -> ProcessPoolExecutor:
+    """This process's pool of `n` spawned worker processes (the caller may hold threads and a
+    GPU: no fork), kept for every later shard."""
+    with _process_lock:
+        if n not in _process_pools:
+            _process_pools[n] = ProcessPoolExecutor(
+                n, mp_context=multiprocessing.get_context("spawn")
+            )
+        return _process_pools[n]
+
+
+def in_process(n: int, fn: Callable[..., R], *args, **kwargs) -> R:
+    """`fn(*args, **kwargs)` in a process of `process_pool(n)`; waits for it. A pool whose
+    process died (killed, out of memory) fails this call and is replaced for the next."""
+    pool = process_pool(n)
+    try:
+        return pool.submit(fn, *args, **kwargs).result()
+    except BrokenProcessPool:
+        with _process_lock:
+            if _process_pools.get(n) is pool:
+                del _process_pools[n]
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise

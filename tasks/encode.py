@@ -9,6 +9,8 @@ rows (holes zeroed), so a shard's latents are the same bits whatever was encoded
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import io
 import math
 import multiprocessing
@@ -18,7 +20,7 @@ import tarfile
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,7 @@ from tasks.shards import (
 STAGE = "latents"
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 DECODE_AHEAD = 128  # images handed to the decoders before the VAE asks for them
+DRAIN_AFTER_S = 0.1  # no batch came this long: finish those in flight (see _Pipeline.results)
 QA_FILE = "qa.json"
 
 _vaes: dict[tuple[str, str], torch.nn.Module] = {}
@@ -128,6 +131,18 @@ def encoder_for(model: Model, device: torch.device, compile: bool = False):
                 torch.backends.cudnn.benchmark = True
             _encoders[key] = latent_encoder(vae, model.scaling_factor, compile=compile)
         return _encoders[key]
+
+
+def release_device(device: str | torch.device) -> None:
+    """Forget this process's VAEs and encoders on `device`: its holder gave it back, and the
+    next one (another flow run, a training) gets its memory."""
+    name = str(_canonical(torch.device(device)))
+    with _lock:
+        for cache in (_vaes, _encoders):
+            for key in [k for k in cache if k[1] == name]:
+                del cache[key]
+    if torch.device(name).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @torch.inference_mode()
@@ -241,6 +256,8 @@ class _ShardInput:
     shard: str
     token_keys: list[str]
     tar_bytes: bytes
+    error: Exception | None = None  # its inputs could not be read: this shard fails, alone
+    skip: bool = False  # done already
 
 
 @dataclass(slots=True)
@@ -252,6 +269,9 @@ class _ShardJob:
     keys: list[str]
     token_rows: list[int]
     num_batches: int
+    error: Exception | None = None
+    skip: bool = False
+    started: float = 0.0  # when its images began to be handed out (its record's seconds)
 
 
 @dataclass(slots=True)
@@ -332,7 +352,11 @@ class _Ring:
 
 
 class _Pipeline:
-    """The encode of a list of shards: `results()` yields each shard's latents, in order."""
+    """The encode of shards as they come: `results()` yields each shard's latents, in order.
+
+    `shards` may be an iterator that blocks until the next shard is given (a device worker of
+    build-latents, flows/devices.py): the I/O thread waits on it while the VAE works.
+    """
 
     def __init__(self, root, source, shards, model, *, batch_size, device, num_workers, compile):
         self.root, self.source, self.shards, self.model = root, source, shards, model
@@ -375,10 +399,17 @@ class _Pipeline:
             for shard in self.shards:
                 if self.stop.is_set():
                     break
-                tokens = self.root / self.source / "tokens" / f"{shard}.parquet"
-                keys = pq.read_table(tokens, columns=["key"])["key"].to_pylist()
-                tar = self.root / self.source / "shards" / f"{shard}.tar"
-                self.inputs.put(_ShardInput(shard, keys, tar.read_bytes()))
+                if is_done(self.root, self.source, STAGE, shard):
+                    self.inputs.put(_ShardInput(shard, [], b"", skip=True))
+                    continue
+                try:
+                    tokens = self.root / self.source / "tokens" / f"{shard}.parquet"
+                    keys = pq.read_table(tokens, columns=["key"])["key"].to_pylist()
+                    tar = self.root / self.source / "shards" / f"{shard}.tar"
+                    item = _ShardInput(shard, keys, tar.read_bytes())
+                except Exception as e:  # this shard's inputs: its failure, not the others'
+                    item = _ShardInput(shard, [], b"", error=e)
+                self.inputs.put(item)
         except BaseException as e:
             self.errors.append(e)
         finally:
@@ -398,7 +429,17 @@ class _Pipeline:
             self.batches.put(_END)
 
     def _dispatch(self, item: _ShardInput) -> None:
-        data = extract_images(item.tar_bytes, set(item.token_keys))
+        started = time.perf_counter()
+        data, error = {}, item.error
+        if error is None and not item.skip:
+            try:
+                data = extract_images(item.tar_bytes, set(item.token_keys))
+            except Exception as e:  # a broken tar fails its shard only
+                error = e
+        if error is not None or item.skip:
+            job = _ShardJob(item.shard, 0, [], [], 0, error, item.skip, started)
+            self.batches.put(job)
+            return
         present = [(row, key) for row, key in enumerate(item.token_keys) if key in data]
         job = _ShardJob(
             shard=item.shard,
@@ -406,6 +447,7 @@ class _Pipeline:
             keys=[key for _, key in present],
             token_rows=[row for row, _ in present],
             num_batches=math.ceil(len(present) / self.batch_size),
+            started=started,
         )
         self.batches.put(job)
         for start in range(0, len(present), self.batch_size):
@@ -427,7 +469,15 @@ class _Pipeline:
         num_submitted = 0
         while True:
             t0 = time.perf_counter()
-            item = self.batches.get()
+            try:
+                item = self.batches.get(timeout=DRAIN_AFTER_S)
+            except queue.Empty:
+                # Nothing comes: finish the batches in flight, so a shard all submitted is
+                # yielded now, not when the next shard comes (it may wait on this one's result).
+                while in_flight:
+                    self._collect(*in_flight.popleft())
+                yield from self._pop_complete(order)
+                item = self.batches.get()
             if item is _END:
                 self.ended = True
                 if self.errors:
@@ -504,6 +554,57 @@ def _commit(root: Path, source: str, model: Model, encoded: _Encoded, stats: Sha
     }
 
 
+def encode_stream(
+    root: Path,
+    source: str,
+    shards: Iterable[str],
+    model: Model,
+    *,
+    batch_size: int = 32,
+    device: str | torch.device | None = None,
+    num_workers: int | None = None,
+    compile: bool = False,
+) -> Iterator[tuple[str, ShardStats | Exception]]:
+    """Encode shards as they come through one pipeline, the next one's inputs read while one
+    encodes: (shard, its stats record, or the error that failed it) in the order given.
+
+    `shards` may block for the next shard (one long-lived encoder per device: a device worker
+    of build-latents, flows/devices.py). A shard whose inputs cannot be read or whose outputs
+    cannot be written fails alone (its failure record written); shards done already are
+    skipped. The record's `extra["device"]` names the device.
+    """
+    device = _canonical(torch.device(device) if device is not None else default_device())
+    pipeline = _Pipeline(
+        root,
+        source,
+        shards,
+        model,
+        batch_size=batch_size,
+        device=device,
+        num_workers=num_workers or default_num_workers(device),
+        compile=compile,
+    )
+    with pipeline:
+        for encoded in pipeline.results():
+            shard = encoded.job.shard
+            finish = functools.partial(_finish, root, source, model, device, encoded)
+            try:
+                stats = run_shard(root, source, STAGE, shard, finish, started=encoded.job.started)
+            except Exception as e:
+                yield shard, e
+            else:
+                yield shard, stats
+
+
+def _finish(root, source, model, device, encoded: _Encoded, stats: ShardStats) -> None:
+    if encoded.job.error is not None:
+        raise encoded.job.error
+    if encoded.job.skip:  # its record was there when its inputs were read
+        raise RuntimeError(f"encode: {stats.shard}'s record vanished while encoding")
+    _commit(root, source, model, encoded, stats)
+    stats.extra["device"] = str(device)
+
+
 def encode_shards(
     root: Path,
     source: str,
@@ -515,33 +616,27 @@ def encode_shards(
     num_workers: int | None = None,
     compile: bool = False,
 ) -> list[ShardStats]:
-    """Encode `shards` in order through one pipeline; shards already done are skipped."""
-    device = _canonical(torch.device(device) if device is not None else default_device())
-    todo = [s for s in shards if not is_done(root, source, STAGE, s)]
-    if not todo:
+    """Encode `shards` in order through one pipeline; shards already done are skipped. The
+    first shard that fails raises (the shards before it are done)."""
+    if all(is_done(root, source, STAGE, s) for s in shards):
         return [run_shard(root, source, STAGE, s, _never) for s in shards]
-    pipeline = _Pipeline(
+    stream = encode_stream(
         root,
         source,
-        todo,
+        shards,
         model,
         batch_size=batch_size,
         device=device,
-        num_workers=num_workers or default_num_workers(device),
+        num_workers=num_workers,
         compile=compile,
     )
-    with pipeline:
-        encoded = pipeline.results()
-        return [
-            run_shard(
-                root,
-                source,
-                STAGE,
-                s,
-                lambda stats: _commit(root, source, model, next(encoded), stats),
-            )
-            for s in shards
-        ]
+    done = []
+    with contextlib.closing(stream):
+        for _, outcome in stream:
+            if isinstance(outcome, Exception):
+                raise outcome
+            done.append(outcome)
+    return done
 
 
 def _never(stats: ShardStats) -> None:

@@ -246,12 +246,19 @@ def write_record(record: Path, stats: ShardStats) -> None:
 
 
 def run_shard(
-    root: Path, source: str, stage: str, shard: str, work: Callable[[ShardStats], None]
+    root: Path,
+    source: str,
+    stage: str,
+    shard: str,
+    work: Callable[[ShardStats], None],
+    *,
+    started: float | None = None,
 ) -> ShardStats:
     """Run `work` for one shard unless it is done (`done_record`).
 
     `work` writes its outputs (each through `atomic_path`) and fills in the stats; the stats
-    record is written after it returns, which marks the shard done.
+    record is written after it returns, which marks the shard done. `started`: when the
+    shard's work began (`time.perf_counter()`), where it began before `work` (a pipeline).
     """
     record = stats_path(root, source, stage, shard)
     if (stats := done_record(root, source, stage, shard)) is not None:
@@ -259,7 +266,7 @@ def run_shard(
         return stats
     clean_temporaries(record.parent, "" if shard == WHOLE_STAGE else f"{shard}.")
     stats = ShardStats(stage=stage, source=source, shard=shard)
-    start = time.perf_counter()
+    start = time.perf_counter() if started is None else started
     failure = failure_path(root, source, stage, shard)
     try:
         work(stats)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import io
 import json
 import math
+import queue
 import sys
 import tarfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import cv2
@@ -28,7 +30,7 @@ from catalog.loader import PACKAGED_DIR
 from sdtrain.models import build_vae
 from tasks import encode, images, latent_keys, metadata
 from tasks.metadata import SourceError
-from tasks.shards import TMP_MARK, ShardStats
+from tasks.shards import TMP_MARK, ShardStats, failure_path
 
 SOURCE = "src"
 SHARD = "00000"
@@ -425,6 +427,43 @@ def test_one_encoder_per_device_equals_the_single_process_path(tmp_path, four_sh
     assert [s.shard for s in stats] == shards
     assert encode.partition(shards, 2) == [["00000", "00002"], ["00001", "00003"]]
     assert_same_outputs(read_outputs(single, shards), read_outputs(split, shards), exact=False)
+
+
+def test_a_stream_yields_each_shard_before_the_next_comes_and_a_bad_one_fails_alone(
+    tmp_path, four_shards, tiny
+):
+    """One long-lived encoder fed shard by shard (a device worker of build-latents): each
+    shard is recorded without waiting for the next (which may be waiting on it), a shard
+    whose inputs are missing fails alone, and the record names the device."""
+    src_root, shards = four_shards
+    (tmp_path / SOURCE).mkdir()
+    for stage in ("shards", "tokens"):
+        (tmp_path / SOURCE / stage).symlink_to(src_root / SOURCE / stage)
+    given: queue.Queue = queue.Queue()
+    stream = encode.encode_stream(
+        tmp_path, SOURCE, iter(given.get, None), tiny, batch_size=4, device="cpu:1"
+    )
+    with ThreadPoolExecutor(1) as driver:
+
+        def step():
+            return driver.submit(next, stream).result(timeout=120)
+
+        given.put("00000")
+        shard, stats = step()
+        assert (shard, stats.num_out, stats.extra["device"]) == ("00000", 7, "cpu:1")
+        assert stats.seconds > 0
+        given.put("00009")  # no such shard
+        shard, error = step()
+        assert shard == "00009" and isinstance(error, FileNotFoundError)
+        assert failure_path(tmp_path, SOURCE, "latents", "00009").is_file()
+        given.put("00000")  # done already: skipped, not encoded again
+        given.put("00003")
+        given.put(None)
+        rest = driver.submit(list, stream).result(timeout=120)
+    assert [(s, st.skipped, st.num_out) for s, st in rest] == [
+        ("00000", True, 7),
+        ("00003", False, 5),
+    ]
 
 
 def test_encoding_on_cpu_leaves_the_torch_thread_setting_alone(tmp_path, four_shards, tiny):
