@@ -73,12 +73,14 @@ class Devices:
         lanes: int | None = None,
         claim: Claim | None = None,
         release: Callable[[torch.device], None] | None = None,
-        idle_s: float = IDLE_S,
-        steal_after_s: float = STEAL_AFTER_S,
+        idle_s: float | None = None,
+        steal_after_s: float | None = None,
     ):
         self.name, self.serve, self.release = name, serve, release
         self.claim = claim or (lambda: pools.gpu_devices(1))
-        self.idle_s, self.steal_after_s = idle_s, steal_after_s
+        # The module's settings as they are now (not when this module was imported).
+        self.idle_s = IDLE_S if idle_s is None else idle_s
+        self.steal_after_s = STEAL_AFTER_S if steal_after_s is None else steal_after_s
         self.lanes = [_Lane(i) for i in range(lanes or len(pools.node_devices()))]
         self.cond = threading.Condition()
         self.futures: dict[str, Future] = {}

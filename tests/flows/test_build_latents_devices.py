@@ -27,8 +27,14 @@ def started_and_ended(root, stage: str) -> list[tuple[float, float]]:
 def test_score_and_encode_shards_run_on_two_devices(prefect_stack, tmp_path, monkeypatch):
     from prefect.logging.handlers import APILogWorker
 
+    from flows import devices
     from flows.build_latents import build_latents
 
+    # A lane still claiming its device after STEAL_AFTER_S hands its shards to the other lane
+    # (right on a node where a training holds a GPU). On a loaded 2-core machine the second
+    # claim (a Prefect slot and a lock) can take longer than 5 s, and both stages would then
+    # run on cpu:0: here nothing else holds a device, so a lane waits for its own.
+    monkeypatch.setattr(devices, "STEAL_AFTER_S", 300.0)
     monkeypatch.setenv("SDPIPE_DEVICES", "cpu,cpu")
     monkeypatch.setenv("SDPIPE_DEVICE_LOCKS", str(tmp_path / "locks"))
     # A pool of its own: its Prefect limit is created with one slot per device (2).
