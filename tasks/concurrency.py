@@ -20,13 +20,14 @@ Defaults keep a 2-core machine (CI) at 2 shards at a time, as before.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 
 R = TypeVar("R")
 THREADS_UP_TO = 2
@@ -119,3 +120,35 @@ def in_process(n: int, fn: Callable[..., R], *args, **kwargs) -> R:
                 del _process_pools[n]
         pool.shutdown(wait=False, cancel_futures=True)
         raise
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+P = TypeVar("P", bound=_Closable)
+
+
+class Kept(Generic[P]):
+    """Worker pools of this process, one per size, built at first use (under a lock: several
+    shard tasks may ask at once) and kept for every later shard; closed when the process
+    exits. `build(n)` makes the pool of size n."""
+
+    def __init__(self, build: Callable[[int], P]):
+        self._build = build
+        self._made: dict[int, P] = {}
+        self._lock = threading.Lock()
+        atexit.register(self.close_all)
+
+    def get(self, n: int) -> P:
+        with self._lock:
+            if n not in self._made:
+                self._made[n] = self._build(n)
+            return self._made[n]
+
+    def close_all(self) -> None:
+        with self._lock:
+            made = list(self._made.values())
+            self._made.clear()
+        for pool in made:
+            pool.close()

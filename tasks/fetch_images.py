@@ -19,7 +19,6 @@ per call, each importing it again), and decoding overlaps downloading.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import math
@@ -254,25 +253,12 @@ class FetchPool:
             worker.close()
 
 
-_pools: dict[int, FetchPool] = {}
-_pools_lock = threading.Lock()
-
-
-@atexit.register
-def _close_pools() -> None:
-    with _pools_lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
-        pool.close()
+_fetch_pools: concurrency.Kept[FetchPool] = concurrency.Kept(FetchPool)
 
 
 def fetch_pool(processes: int) -> FetchPool:
     """The process's pool of `processes` downloaders, kept for every later shard."""
-    with _pools_lock:
-        if processes not in _pools:
-            _pools[processes] = FetchPool(processes)
-        return _pools[processes]
+    return _fetch_pools.get(processes)
 
 
 class Download:

@@ -8,7 +8,6 @@ decode is part of the transform, not an approximation of it. Workers are plain
 
 from __future__ import annotations
 
-import atexit
 import collections
 import io
 import json
@@ -25,6 +24,8 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+
+from tasks import concurrency
 
 # The rules, in the order they are applied (a reason is what the stats record counts):
 # - bytes no decoder reads -> dropped, `decode_error`
@@ -448,27 +449,13 @@ def write_sample(tar: tarfile.TarFile, key: str, jpeg: bytes, caption: str, meta
         tar.addfile(info, io.BytesIO(data))
 
 
-_shared: dict[int, DecodePool] = {}
-_shared_lock = threading.Lock()
-
-
-@atexit.register
-def _close_shared() -> None:
-    with _shared_lock:
-        pools = list(_shared.values())
-        _shared.clear()
-    for pool in pools:
-        pool.close()
+_shared: concurrency.Kept[DecodePool] = concurrency.Kept(DecodePool)
 
 
 def shared_pool(num_workers: int | None = None) -> DecodePool:
     """The process's decode pool of `num_workers` (default: one per core), kept for every later
     shard of every stage that repacks (a pool per shard would start its processes each time)."""
-    n = num_workers or len(os.sched_getaffinity(0))
-    with _shared_lock:
-        if n not in _shared:
-            _shared[n] = DecodePool(n)
-        return _shared[n]
+    return _shared.get(num_workers or len(os.sched_getaffinity(0)))
 
 
 def repack_stream(

@@ -78,10 +78,13 @@ def slow_server(body: bytes, delay_s: float) -> Iterator[tuple[str, dict]]:
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
             finally:
+                # Ended before the body goes out: the client cannot have its response, and so
+                # cannot send its next request, before this count drops (counted after the
+                # write, a fast client's next request could be counted beside this one).
                 with lock:
                     counts["in_flight"] -= 1
+            self.wfile.write(body)
 
         def log_message(self, *args):
             pass
@@ -122,7 +125,7 @@ def test_a_shard_downloads_on_the_nodes_processes_in_pieces(tmp_path, no_fetch_e
     assert counts["requests"] == n
     # 2 processes x 3 threads: never more requests at once than that.
     assert counts["max_in_flight"] <= 6
-    pool = fetch_images._pools[2]
+    pool = fetch_images.fetch_pool(2)  # the pool the shard used, kept
     assert len(pool.threads) == 2
     # 40 rows at 3 threads: pieces of at most 8 rounds (24 rows): 2 pieces, their keys mapped
     # back to the shard's rows, the sample table in the shard's order.
