@@ -23,7 +23,6 @@ import contextlib
 import json
 import math
 import os
-import queue
 import re
 import subprocess
 import sys
@@ -196,7 +195,7 @@ class _Downloader:
         self.proc.wait()
 
 
-class FetchPool:
+class FetchPool(images.Lanes):
     """The node's img2dataset downloader processes, fed pieces from one queue (first come,
     first served: a shard's pieces are spread over every process). Each process is started
     at once, so its imports overlap the work of the first shard; it lives for every later
@@ -204,53 +203,25 @@ class FetchPool:
     own distributor does), in a new process if it died."""
 
     def __init__(self, processes: int):
-        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [
-            threading.Thread(target=self._serve, name=f"fetch-{i}", daemon=True)
-            for i in range(processes)
-        ]
-        for t in self.threads:
-            t.start()
+        super().__init__(processes, "fetch", eager=True)
 
     def submit(self, request: dict) -> Future:
-        future: Future = Future()
-        self.tasks.put((future, request))
-        return future
+        return self._submit(request)
 
-    def close(self) -> None:
-        for _ in self.threads:
-            self.tasks.put(None)
-        for t in self.threads:
-            t.join()
+    def _start(self) -> _Downloader:
+        return _Downloader()
 
-    def _serve(self) -> None:
-        worker = None
-        try:
-            worker = _Downloader()
-        except OSError:  # started again at the first piece, which then reports the error
-            worker = None
-        while (task := self.tasks.get()) is not None:
-            future, request = task
-            if not future.set_running_or_notify_cancel():
-                continue
+    def _run(self, worker, request: dict) -> tuple:
+        error = None
+        for _ in range(2):
             try:
-                error = None
-                for _ in range(2):
-                    try:
-                        worker = worker or _Downloader()
-                        error = worker.call(request)
-                    except WorkerDied as e:
-                        worker, error = None, str(e)
-                    if error is None:
-                        break
-                if error is None:
-                    future.set_result(None)
-                else:
-                    future.set_exception(FetchFailed(f"img2dataset: {error.strip()}"))
-            except BaseException as e:  # e.g. no process could be started: fail the piece
-                future.set_exception(e)
-        if worker is not None:
-            worker.close()
+                worker = worker or self._start()
+                error = worker.call(request)
+            except WorkerDied as e:
+                worker, error = None, str(e)
+            if error is None:
+                return None, worker
+        return FetchFailed(f"img2dataset: {error.strip()}"), worker
 
 
 _fetch_pools: concurrency.Kept[FetchPool] = concurrency.Kept(FetchPool)

@@ -359,7 +359,67 @@ class _Worker:
         self.proc.wait()
 
 
-class DecodePool:
+class Lanes:
+    """Worker processes fed over pipes, one feeding thread per worker, from one queue of
+    futures; the base of the decode pool and of fetch-images' downloaders. A subclass says
+    how to start a worker (`_start`, an object with `call` and `close`) and how to run a
+    request on it (`_run`, which may replace a worker that died)."""
+
+    def __init__(self, num_workers: int, name: str, *, eager: bool = False):
+        """`eager`: start every worker process now, not at its first request."""
+        self.eager = eager
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
+            for i in range(num_workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _submit(self, request) -> Future:
+        future: Future = Future()
+        self.tasks.put((future, request))
+        return future
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.tasks.put(None)
+        for t in self.threads:
+            t.join()
+
+    def _start(self):
+        raise NotImplementedError
+
+    def _run(self, worker, request) -> tuple:
+        """(the request's result, or the exception that fails it; the worker to keep: None
+        if it died)."""
+        raise NotImplementedError
+
+    def _serve(self) -> None:
+        worker = None
+        if self.eager:
+            try:
+                worker = self._start()
+            except OSError:  # started again at the first request, which then reports the error
+                worker = None
+        while (task := self.tasks.get()) is not None:
+            future, request = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result, worker = self._run(worker, request)
+            except BaseException as e:  # e.g. no process could be started: fail the request
+                future.set_exception(e)
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if worker is not None:
+            worker.close()
+
+
+class DecodePool(Lanes):
     """Decode worker processes fed over pipes, one feeding thread per worker.
 
     Not multiprocessing: a worker needs neither fork nor the parent's main module, and it
@@ -373,50 +433,21 @@ class DecodePool:
     ):
         """`eager`: start every worker process now, not at its first task."""
         self.command = command
-        self.eager = eager
-        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [
-            threading.Thread(target=self._serve, name=f"decode-{i}", daemon=True)
-            for i in range(num_workers)
-        ]
-        for t in self.threads:
-            t.start()
+        super().__init__(num_workers, "decode", eager=eager)
 
     def submit(self, items: list, size: int, task: str = "decode", **options) -> Future:
         """A future of `WORKER_TASKS[task](items, size, **options)`, computed in a worker."""
-        future: Future = Future()
-        self.tasks.put((future, (task, items, size, options)))
-        return future
+        return self._submit((task, items, size, options))
 
-    def close(self) -> None:
-        for _ in self.threads:
-            self.tasks.put(None)
-        for t in self.threads:
-            t.join()
+    def _start(self) -> _Worker:
+        return _Worker(self.command)
 
-    def _serve(self) -> None:
-        worker = None
-        if self.eager:
-            try:
-                worker = _Worker(self.command)
-            except OSError:  # started again at the first task, which then reports the error
-                worker = None
-        while (task := self.tasks.get()) is not None:
-            future, request = task
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                try:
-                    worker = worker or _Worker(self.command)
-                    result = worker.call(request)
-                except WorkerDied:
-                    worker = None
-                    result = self._one_at_a_time(*request)
-                future.set_result(result)
-            except BaseException as e:  # e.g. no process could be started: fail the task
-                future.set_exception(e)
-        if worker is not None:
-            worker.close()
+    def _run(self, worker, request) -> tuple:
+        try:
+            worker = worker or self._start()
+            return worker.call(request), worker
+        except WorkerDied:
+            return self._one_at_a_time(*request), None
 
     def _one_at_a_time(self, task, items, size, options):
         rows, parts, dropped = [], [], {}
