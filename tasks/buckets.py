@@ -157,4 +157,9 @@ def stored_size(width: int, height: int, max_area: int) -> tuple[int, int]:
     if width * height <= max_area:
         return width, height
     scale = math.sqrt(max_area / (width * height))
-    return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+    # The epsilon: a square's side times 64 / side must floor to 64, not 63.999... -> 63. The
+    # product stays within max_area (an integer): the slack is far below one pixel.
+    return (
+        max(1, math.floor(width * scale + 1e-9)),
+        max(1, math.floor(height * scale + 1e-9)),
+    )

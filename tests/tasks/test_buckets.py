@@ -98,6 +98,12 @@ def test_cover_box_and_stored_size():
     w, h = buckets.stored_size(4000, 3000, 512 * 512)
     assert w * h <= 512 * 512 and abs(w / h - 4 / 3) < 0.01
     assert buckets.stored_size(300, 200, 512 * 512) == (300, 200)
+    # A square is stored at the full side, whatever floating point makes of side * 64 / side.
+    assert all(buckets.stored_size(s, s, 64 * 64) == (64, 64) for s in range(64, 5000))
+    for w, h in ((1920, 1080), (170, 340), (4000, 3000), (3, 9000), (640, 427)):
+        for side in (64, 512, 1024):
+            sw, sh = buckets.stored_size(w, h, side * side)
+            assert sw * sh <= side * side
     assert buckets.parse("704x384") == (704, 384)
 
 
