@@ -1,9 +1,14 @@
-"""Image bytes -> RGB uint8 [size, size, 3] by one stated rule per kind of input; decode workers.
+"""Image bytes -> RGB uint8 pixels by one stated rule per kind of input; decode workers.
 
-A JPEG whose short side is at least 2, 4 or 8 times `size` is decoded reduced in the DCT
-domain (libjpeg scaling, the same pixels as PIL's `draft`) before the resize: the reduced
-decode is part of the transform, not an approximation of it. Workers are plain
-`python -m tasks.images` processes, so this module imports neither torch nor sdpipe.
+Two transforms share the rules: `repack_image` (the shards: the image resized down to at most
+size² pixels, aspect ratio kept, never up) and `decode_image` (a reader's `size` x `size`
+square: short side resized to `size`, center crop).
+
+A JPEG with room for it is decoded reduced by 2, 4 or 8 in the DCT domain (libjpeg scaling,
+the same pixels as PIL's `draft`) before the resize: the reduced image still has at least the
+target's sides, so the reduced decode is part of the transform, not an approximation of it.
+Workers are plain `python -m tasks.images` processes, so this module imports neither torch
+nor sdpipe.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from tasks import concurrency
+from tasks import buckets, concurrency
 
 # The rules, in the order they are applied (a reason is what the stats record counts):
 # - bytes no decoder reads -> dropped, `decode_error`
@@ -39,10 +44,14 @@ from tasks import concurrency
 #   does for URL sources); samples that are not 8/16-bit integers -> dropped, `unsupported_depth`
 # - more than MAX_PIXELS pixels by the header (a decompression bomb, or nothing a 512 px
 #   sample needs) -> dropped, `too_large`, before any pixel is decoded
-# - aspect ratio above MAX_ASPECT (the resized long side would be huge) -> dropped,
-#   `extreme_aspect`
+# - aspect ratio above MAX_ASPECT (a sliver; a reader's square would be a speck of it, its
+#   resized long side huge) -> dropped, `extreme_aspect`
 # - an image whose decode kills the worker process -> dropped, `decoder_crash` (DecodePool)
-# - then: short side resized to `size` (INTER_AREA down, INTER_CUBIC up), center crop.
+# - then, in the shards (`repack_image`): the crop box if the source gives one (a crop of the
+#   image as displayed, before any resize), then resized down (INTER_AREA) to at most size²
+#   pixels with its aspect ratio kept (`buckets.stored_size`), never up;
+#   for a reader (`decode_image`, `fit`): short side resized to `size` (INTER_AREA down,
+#   INTER_CUBIC up), then the center `size` x `size` crop.
 MAX_ASPECT = 64
 MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error limit
 # What a crop box that leaves the image is padded with: mid-gray, 0 in the VAE's [-1, 1] input.
@@ -142,8 +151,19 @@ def reduction(short_side: int, size: int) -> int:
     return next((k for k in (8, 4, 2) if short_side >= k * size), 1)
 
 
-def decode_rgb(data: bytes, size: int) -> np.ndarray:
-    """Decoded RGB uint8 [h, w, 3] by the rules above (not yet resized); raises Unusable."""
+def stored_reduction(region: tuple[int, int], target: tuple[int, int]) -> int:
+    """The DCT reduction for a stored image: the largest of 8, 4, 2 that keeps the kept region
+    (width, height, in full-size pixels) at least `target` (its stored sides) on both sides."""
+    return next(
+        (k for k in (8, 4, 2) if region[0] >= k * target[0] and region[1] >= k * target[1]), 1
+    )
+
+
+def decode_rgb(data: bytes, size: int, *, reduce: int | None = None) -> np.ndarray:
+    """Decoded RGB uint8 [h, w, 3] by the rules above (not yet resized); raises Unusable.
+
+    A JPEG is decoded reduced by `reduce` if given, else by the short-side rule (`reduction`)
+    that `fit` to `size` needs."""
     fmt = sniff(data)
     if is_truncated(data, fmt):
         raise Unusable("truncated")
@@ -152,7 +172,7 @@ def decode_rgb(data: bytes, size: int) -> np.ndarray:
         raise Unusable("too_large")
     buf = np.frombuffer(data, np.uint8)
     if fmt == "jpeg":
-        k = reduction(min(dims), size) if dims else 1
+        k = reduce if reduce is not None else reduction(min(dims), size) if dims else 1
         bgr = cv2.imdecode(buf, REDUCED_FLAGS[k] if k > 1 else cv2.IMREAD_COLOR)
         if bgr is None:
             raise Unusable("decode_error")
@@ -252,37 +272,59 @@ def repack_image(
     crop: tuple[int, int, int, int] | None = None,
     quality: int = 95,
 ) -> tuple[bytes, int, int]:
-    """(JPEG bytes of the size x size image, stored width, stored height) of an image's bytes.
+    """(JPEG bytes of the stored image, original width, original height) of an image's bytes.
 
     The decode rules above, then `crop` (x, y, w, h in stored pixels; where the box leaves the
-    image it is padded with PAD_FILL) if given, then `fit`. Raises Unusable: the rules'
-    reasons, or `too_small` when the stored short side is under `min_side`.
+    image it is padded with PAD_FILL) if given, then resized down to at most size² pixels,
+    aspect ratio kept (`buckets.stored_size` of the kept region; never up). Raises Unusable:
+    the rules' reasons, or `too_small` when the original short side is under `min_side`.
     """
     fmt = sniff(data)
     dims = jpeg_size(data) if fmt == "jpeg" else None
     if dims and min(dims) < min_side:
         raise Unusable("too_small")
-    # The reduced decode must keep the kept region's short side >= size.
-    target = size
-    if dims and crop:
-        target = -(-size * min(dims) // max(1, min(crop[2], crop[3])))
+    area = size * size
+    k = 1
+    if dims:
+        # The reduced decode must keep the kept region at least its stored sides. EXIF
+        # orientation may swap the header's sides; a reduction scales both alike, so the rule
+        # holds either way (and a crop box is the region whatever the orientation).
+        region = (crop[2], crop[3]) if crop else dims
+        if min(region) > 0:
+            k = stored_reduction(region, buckets.stored_size(*region, area))
     try:
-        rgb = decode_rgb(data, target)
-        k = reduction(min(dims), target) if dims else 1
+        rgb = decode_rgb(data, size, reduce=k)
         width, height = original_size(data, rgb, k)
         if min(width, height) < min_side:
             raise Unusable("too_small")
         if crop:
             rgb = crop_padded(rgb, crop, width, height)
-        square = fit(rgb, size)
+            region = (crop[2], crop[3])
+        else:
+            region = (width, height)
+        stored = shrink(rgb, buckets.stored_size(*region, area))
         ok, jpeg = cv2.imencode(
-            ".jpg", cv2.cvtColor(square, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality]
+            ".jpg", cv2.cvtColor(stored, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality]
         )
     except cv2.error:
         raise Unusable("decode_error") from None
     if not ok:
         raise Unusable("encode_error")
     return jpeg.tobytes(), width, height
+
+
+def shrink(rgb: np.ndarray, target: tuple[int, int]) -> np.ndarray:
+    """`rgb` resized to `target` (width, height), the stored size of the full-size region it
+    shows (maybe decoded reduced): INTER_AREA, as a reduced decode keeps at least the target's
+    sides (INTER_CUBIC only where a crop box's rounding left a side a pixel short)."""
+    h, w = rgb.shape[:2]
+    if max(h, w) > MAX_ASPECT * min(h, w):
+        raise Unusable("extreme_aspect")
+    if (w, h) == target:
+        return np.ascontiguousarray(rgb)
+    down = w >= target[0] and h >= target[1]
+    interpolation = cv2.INTER_AREA if down else cv2.INTER_CUBIC
+    return cv2.resize(rgb, target, interpolation=interpolation)
 
 
 def repack_rows(

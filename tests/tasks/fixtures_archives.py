@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import FilterProfile, Source
-from tasks import demo_source
+from tasks import buckets, demo_source
 from tasks.adapters import adapter_for
 from tasks.adapters.base import index_source, repack_shard, shard_names
 from tasks.net import free_port
@@ -119,15 +119,17 @@ def read_shard_tars(root: Path, name: str) -> dict[str, bytes]:
 
 
 def check_shards(root: Path, chain: Chain, name: str, size: int = 64) -> dict[str, np.ndarray]:
-    """The shard tars hold exactly key.jpg/.txt/.json of each success row, size x size JPEGs,
-    captions and JSON matching the table; returns key -> RGB pixels."""
+    """The shard tars hold exactly key.jpg/.txt/.json of each success row, JPEGs of at most
+    size² pixels with the image's aspect kept (`buckets.stored_size`), captions and JSON
+    matching the table; returns key -> RGB pixels."""
     members = read_shard_tars(root, name)
     ok = chain.success()
     assert set(members) == {f"{r['key']}.{e}" for r in ok for e in ("jpg", "txt", "json")}
     pixels = {}
     for r in ok:
         bgr = cv2.imdecode(np.frombuffer(members[f"{r['key']}.jpg"], np.uint8), cv2.IMREAD_COLOR)
-        assert bgr is not None and bgr.shape == (size, size, 3), r["key"]
+        stored_w, stored_h = buckets.stored_size(r["width"], r["height"], size * size)
+        assert bgr is not None and bgr.shape == (stored_h, stored_w, 3), r["key"]
         pixels[r["key"]] = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
         assert members[f"{r['key']}.txt"].decode() == r["caption"]
         meta = json.load(io.BytesIO(members[f"{r['key']}.json"]))

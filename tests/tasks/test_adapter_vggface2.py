@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from catalog import FilterProfile, Source
+from tasks import buckets
 from tasks.adapters import adapter_for
 from tasks.adapters.base import SourceLayoutError, index_source, repack_shard, shard_names
 from tasks.adapters.vggface2 import template_index
@@ -132,7 +133,8 @@ def test_index_repack_tokenize(tmp_path, mirror):
             assert r["identity"] == r["origin"].split("/")[1]
         for r in kept:
             px = cv2.imdecode(np.frombuffer(members[f"{r['key']}.jpg"], np.uint8), cv2.IMREAD_COLOR)
-            assert px.shape == (64, 64, 3)
+            stored_w, stored_h = buckets.stored_size(r["width"], r["height"], 64 * 64)
+            assert px.shape == (stored_h, stored_w, 3)  # aspect kept, at most 64² px
             assert members[f"{r['key']}.txt"].decode() == r["caption"]
             meta = json.loads(members[f"{r['key']}.json"])
             assert meta["identity"] == r["identity"] and meta["origin"] == r["origin"]

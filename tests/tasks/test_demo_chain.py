@@ -23,7 +23,7 @@ from PIL import Image
 
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
-from tasks import demo_source, encode, fetch_images, latent_keys, metadata, score, tokenize
+from tasks import buckets, demo_source, encode, fetch_images, latent_keys, metadata, score, tokenize
 from tasks import filter as filter_stage
 from tasks.shards import TMP_MARK, read_stats, summarize
 
@@ -126,9 +126,12 @@ def test_shards_are_webdataset_tars_of_the_successful_rows(chain):
         for sample in samples:
             key = sample["__key__"]
             assert sample["txt"].decode() == captions[key]
-            assert json.loads(sample["json"])["key"] == key
+            meta = json.loads(sample["json"])
+            assert meta["key"] == key
+            # At most resolution² pixels, the aspect ratio of the original kept.
             image = Image.open(io.BytesIO(sample["jpg"]))
-            assert image.size == (chain.source.resolution, chain.source.resolution)
+            side = chain.source.resolution
+            assert image.size == buckets.stored_size(meta["width"], meta["height"], side * side)
 
 
 def test_failed_rows_stay_in_the_sample_table_with_their_reason(chain):
