@@ -4,6 +4,8 @@ The mirror looks like a LAION download (a metadata parquet of URLs and scores) a
 the faults real data has: duplicate URLs, duplicate bytes under another URL, a 404, bytes
 that are not an image, images under the size floor, and rows failing each score threshold.
 `PLANTED` says how many of each, so tests and the demo can check every drop is accounted for.
+The scenes are square, landscape (3:2) and portrait (2:3) (`FRAMES`), each side at least 160
+px: above the demo profile's 128 px floor and over twice the demo resolution (64).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import functools
 import http.server
 import io
+import itertools
 import json
 import shutil
 import threading
@@ -40,6 +43,9 @@ COLORS = {
     "pink": (250, 130, 190),
 }
 SHAPES = ("circle", "square", "triangle")
+# The scenes' frames, in turn (width:height): 3 of 5 square, 1 landscape 3:2, 1 portrait 2:3,
+# so the demo's shards hold the aspect ratios that bucketed training sorts into buckets.
+FRAMES = ((1, 1), (1, 1), (1, 1), (3, 2), (2, 3))
 
 # Planted faults: reason the pipeline must report -> number of rows.
 PLANTED = {
@@ -119,9 +125,13 @@ def _write_mirror(root: Path, *, num_images: int, seed: int, port: int) -> None:
         rows.append(row)
         return row
 
+    frames = itertools.cycle(FRAMES)
+
     def scene(name: str, w: int | None = None, h: int | None = None) -> tuple[str, int, int]:
-        w = w or int(rng.integers(160, 321))
-        h = h or int(rng.integers(160, 321))
+        if w is None or h is None:
+            unit = int(rng.integers(80, 161))  # the short side 2 * unit: 160..320 px
+            fw, fh = next(frames)
+            w, h = fw * 2 * unit // min(fw, fh), fh * 2 * unit // min(fw, fh)
         img, caption = draw_scene(rng, w, h)
         (images / name).write_bytes(_jpeg(img))
         return caption, w, h

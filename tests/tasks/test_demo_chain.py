@@ -115,6 +115,7 @@ def test_every_metadata_row_is_kept_or_dropped(chain):
 
 
 def test_shards_are_webdataset_tars_of_the_successful_rows(chain):
+    shapes = set()
     for shard in chain.shards:
         table = pq.read_table(chain.dir / "shards" / f"{shard}.parquet").to_pylist()
         success = [r for r in table if r["status"] == "success"]
@@ -132,6 +133,9 @@ def test_shards_are_webdataset_tars_of_the_successful_rows(chain):
             image = Image.open(io.BytesIO(sample["jpg"]))
             side = chain.source.resolution
             assert image.size == buckets.stored_size(meta["width"], meta["height"], side * side)
+            w, h = image.size
+            shapes.add("square" if w == h else "landscape" if w > h else "portrait")
+    assert shapes == {"square", "landscape", "portrait"}  # the demo exercises aspect buckets
 
 
 def test_failed_rows_stay_in_the_sample_table_with_their_reason(chain):
