@@ -220,3 +220,15 @@ def test_readers_still_get_squares_of_what_is_stored():
     assert decoded(stored).shape == (48, 85, 3)
     square = images.decode_image(stored, 64)
     assert square.shape == (64, 64, 3) and square.dtype == np.uint8
+
+
+@pytest.mark.parametrize("side", [64, 200, 1024, 2100])
+def test_a_square_at_least_size_is_stored_as_the_readers_square(side):
+    """For a square image the shards hold what they held before aspect buckets: the reader's
+    `size` x `size` square, the same bytes (so square sources keep their latents)."""
+    data = jpeg(smooth(side, side))
+    square = images.decode_image(data, 64)
+    ok, want = cv2.imencode(
+        ".jpg", cv2.cvtColor(square, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 95]
+    )
+    assert ok and images.repack_image(data, 64)[0] == want.tobytes()
