@@ -27,7 +27,7 @@ class Source:
     homepage: str = ""
     revision: str = ""
     samples_per_shard: int = 10_000
-    resolution: int = 512  # images in the shards are at most resolution² pixels, aspect kept
+    resolution: int = 512  # shards: short side at most this, aspect kept
     model: str = "sd15"  # whose VAE encodes this source's latents
     profile: str  # the loosest profile the source is built at; stricter views query over it
     # Layout of an archive/folder source (tasks.adapters): diffusiondb, journeydb, vggface2,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+MAX_STORED_ASPECT = 4  # a stored image's long side is at most this times the short side's target
+
 
 @dataclass(frozen=True, slots=True)
 class BucketPlan:
@@ -151,14 +153,18 @@ def cover_box(width: int, height: int, bucket: tuple[int, int]) -> tuple[int, in
     return new_w, new_h, (new_w - bw) // 2, (new_h - bh) // 2
 
 
-def stored_size(width: int, height: int, max_area: int) -> tuple[int, int]:
+def stored_size(width: int, height: int, side: int) -> tuple[int, int]:
     """(width, height) an image is stored at in the shards: scaled down (never up), aspect kept,
-    to at most `max_area` pixels."""
-    if width * height <= max_area:
+    so its short side is at most `side` and its long side at most MAX_STORED_ASPECT x `side`.
+
+    The short side rule keeps a model without buckets exactly where it was (its center square is
+    cut from the same pixels as before) and covers every bucket of a plan whose area is at most
+    `side`² without an upscale; the long side cap bounds a panorama's bytes.
+    """
+    scale = min(1.0, side / min(width, height), MAX_STORED_ASPECT * side / max(width, height))
+    if scale >= 1.0:
         return width, height
-    scale = math.sqrt(max_area / (width * height))
-    # The epsilon: a square's side times 64 / side must floor to 64, not 63.999... -> 63. The
-    # product stays within max_area (an integer): the slack is far below one pixel.
+    # The epsilon: a square's side times 64 / side must floor to 64, not 63.999... -> 63.
     return (
         max(1, math.floor(width * scale + 1e-9)),
         max(1, math.floor(height * scale + 1e-9)),

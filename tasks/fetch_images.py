@@ -3,7 +3,7 @@
 img2dataset only downloads (`disable_all_reencoding`: it keeps each image's bytes as served);
 the images then go through sdpipe's own decode workers (`tasks.images`), the one rule set of
 every source: EXIF orientation, 16-bit, alpha, CMYK, bombs (`too_large`), truncation, the size
-floor, the resize (down to at most `image_size`² pixels, aspect ratio kept), JPEG. Its status
+floor, the resize (down to a short side of at most `image_size`, aspect ratio kept), JPEG. Its status
 parquet becomes the shard's sample table, with every failure mapped to a named drop reason.
 
 Downloads run on the node's fetch pool (`FetchPool`): long-lived child processes that import

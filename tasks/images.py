@@ -1,7 +1,7 @@
 """Image bytes -> RGB uint8 pixels by one stated rule per kind of input; decode workers.
 
-Two transforms share the rules: `repack_image` (the shards: the image resized down to at most
-size² pixels, aspect ratio kept, never up) and `decode_image` (a reader's `size` x `size`
+Two transforms share the rules: `repack_image` (the shards: the image resized down so its short side
+is at most `size` (its long side at most 4 x `size`), aspect ratio kept, never up) and `decode_image` (a reader's `size` x `size`
 square: short side resized to `size`, center crop).
 
 A JPEG with room for it is decoded reduced by 2, 4 or 8 in the DCT domain (libjpeg scaling,
@@ -48,8 +48,8 @@ from tasks import buckets, concurrency
 #   resized long side huge) -> dropped, `extreme_aspect`
 # - an image whose decode kills the worker process -> dropped, `decoder_crash` (DecodePool)
 # - then, in the shards (`repack_image`): the crop box if the source gives one (a crop of the
-#   image as displayed, before any resize), then resized down (INTER_AREA) to at most size²
-#   pixels with its aspect ratio kept (`buckets.stored_size`), never up;
+#   image as displayed, before any resize), then resized down (INTER_AREA) to a short side of
+#   at most `size`, long side at most 4 x `size`, aspect kept (`buckets.stored_size`), never up;
 #   for a reader (`decode_image`, `fit`): short side resized to `size` (INTER_AREA down,
 #   INTER_CUBIC up), then the center `size` x `size` crop.
 MAX_ASPECT = 64
@@ -275,15 +275,14 @@ def repack_image(
     """(JPEG bytes of the stored image, original width, original height) of an image's bytes.
 
     The decode rules above, then `crop` (x, y, w, h in stored pixels; where the box leaves the
-    image it is padded with PAD_FILL) if given, then resized down to at most size² pixels,
-    aspect ratio kept (`buckets.stored_size` of the kept region; never up). Raises Unusable:
+    image it is padded with PAD_FILL) if given, then resized down to a short side of at most
+    `size`, aspect ratio kept (`buckets.stored_size` of the kept region; never up). Raises Unusable:
     the rules' reasons, or `too_small` when the original short side is under `min_side`.
     """
     fmt = sniff(data)
     dims = jpeg_size(data) if fmt == "jpeg" else None
     if dims and min(dims) < min_side:
         raise Unusable("too_small")
-    area = size * size
     k = 1
     if dims:
         # The reduced decode must keep the kept region at least its stored sides. EXIF
@@ -291,7 +290,7 @@ def repack_image(
         # holds either way (and a crop box is the region whatever the orientation).
         region = (crop[2], crop[3]) if crop else dims
         if min(region) > 0:
-            k = stored_reduction(region, buckets.stored_size(*region, area))
+            k = stored_reduction(region, buckets.stored_size(*region, size))
     try:
         rgb = decode_rgb(data, size, reduce=k)
         width, height = original_size(data, rgb, k)
@@ -302,7 +301,7 @@ def repack_image(
             region = (crop[2], crop[3])
         else:
             region = (width, height)
-        stored = shrink(rgb, buckets.stored_size(*region, area))
+        stored = shrink(rgb, buckets.stored_size(*region, size))
         ok, jpeg = cv2.imencode(
             ".jpg", cv2.cvtColor(stored, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality]
         )

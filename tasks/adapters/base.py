@@ -10,7 +10,7 @@ Everything else is shared, so every source gets the same shards, tables and drop
 - repack (stage `shards`, one unit per shard): the shard's images are read (an archive once
   per shard; a remote one is first copied under `<root>/<source>/raw/`), decoded by the rules
   of `tasks.images`, cropped (a crop box the adapter gives), resized down to at most the
-  source's resolution² pixels with the aspect ratio kept, and written as JPEG into
+  source's resolution on the short side with the aspect ratio kept, and written as JPEG into
   `shards/NNNNN.tar` (key.jpg, key.txt, key.json), with the sample table
   `shards/NNNNN.parquet` (status `success` or the reason the image was dropped).
 

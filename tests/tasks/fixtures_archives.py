@@ -128,7 +128,7 @@ def check_shards(root: Path, chain: Chain, name: str, size: int = 64) -> dict[st
     pixels = {}
     for r in ok:
         bgr = cv2.imdecode(np.frombuffer(members[f"{r['key']}.jpg"], np.uint8), cv2.IMREAD_COLOR)
-        stored_w, stored_h = buckets.stored_size(r["width"], r["height"], size * size)
+        stored_w, stored_h = buckets.stored_size(r["width"], r["height"], size)
         assert bgr is not None and bgr.shape == (stored_h, stored_w, 3), r["key"]
         pixels[r["key"]] = cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
         assert members[f"{r['key']}.txt"].decode() == r["caption"]

@@ -133,7 +133,7 @@ def test_index_repack_tokenize(tmp_path, mirror):
             assert r["identity"] == r["origin"].split("/")[1]
         for r in kept:
             px = cv2.imdecode(np.frombuffer(members[f"{r['key']}.jpg"], np.uint8), cv2.IMREAD_COLOR)
-            stored_w, stored_h = buckets.stored_size(r["width"], r["height"], 64 * 64)
+            stored_w, stored_h = buckets.stored_size(r["width"], r["height"], 64)
             assert px.shape == (stored_h, stored_w, 3)  # aspect kept, at most 64² px
             assert members[f"{r['key']}.txt"].decode() == r["caption"]
             meta = json.loads(members[f"{r['key']}.json"])

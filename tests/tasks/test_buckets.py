@@ -93,17 +93,23 @@ def test_demo_sized_plan():
 
 
 def test_cover_box_and_stored_size():
+    assert buckets.stored_size(9000, 1000, 512) == (2048, 227)  # the long side capped
     assert buckets.cover_box(1920, 1080, (640, 384)) == (683, 384, 21, 0)
     assert buckets.cover_box(300, 300, (512, 512)) == (512, 512, 0, 0)
-    w, h = buckets.stored_size(4000, 3000, 512 * 512)
-    assert w * h <= 512 * 512 and abs(w / h - 4 / 3) < 0.01
-    assert buckets.stored_size(300, 200, 512 * 512) == (300, 200)
+    w, h = buckets.stored_size(4000, 3000, 512)
+    assert h == 512 and abs(w / h - 4 / 3) < 0.01  # short side to the resolution
+    assert buckets.stored_size(300, 200, 512) == (300, 200)
     # A square is stored at the full side, whatever floating point makes of side * 64 / side.
-    assert all(buckets.stored_size(s, s, 64 * 64) == (64, 64) for s in range(64, 5000))
+    assert all(buckets.stored_size(s, s, 64) == (64, 64) for s in range(64, 5000))
     for w, h in ((1920, 1080), (170, 340), (4000, 3000), (3, 9000), (640, 427)):
         for side in (64, 512, 1024):
-            sw, sh = buckets.stored_size(w, h, side * side)
-            assert sw * sh <= side * side
+            sw, sh = buckets.stored_size(w, h, side)
+            assert min(sw, sh) <= side and max(sw, sh) <= buckets.MAX_STORED_ASPECT * side
+            assert (
+                (sw, sh) == (w, h)
+                or abs((sw / sh) / (w / h) - 1) < 0.01
+                or max(w, h) > 4 * min(w, h)
+            )
     assert buckets.parse("704x384") == (704, 384)
 
 

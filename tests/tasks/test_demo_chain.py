@@ -132,7 +132,7 @@ def test_shards_are_webdataset_tars_of_the_successful_rows(chain):
             # At most resolution² pixels, the aspect ratio of the original kept.
             image = Image.open(io.BytesIO(sample["jpg"]))
             side = chain.source.resolution
-            assert image.size == buckets.stored_size(meta["width"], meta["height"], side * side)
+            assert image.size == buckets.stored_size(meta["width"], meta["height"], side)
             w, h = image.size
             shapes.add("square" if w == h else "landscape" if w > h else "portrait")
     assert shapes == {"square", "landscape", "portrait"}  # the demo exercises aspect buckets

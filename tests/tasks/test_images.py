@@ -52,7 +52,7 @@ def full_reference(data: bytes, size: int, crop=None) -> np.ndarray:
         x, y, w, h = crop
         rgb = rgb[y : y + h, x : x + w]
     h, w = rgb.shape[:2]
-    target = buckets.stored_size(w, h, size * size)
+    target = buckets.stored_size(w, h, size)
     if target != (w, h):
         rgb = cv2.resize(rgb, target, interpolation=cv2.INTER_AREA)
     bgr = cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR)
@@ -63,14 +63,13 @@ def mean_abs(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.int32) - b.astype(np.int32)).mean())
 
 
-def test_a_wide_photo_is_stored_at_most_size_squared_with_its_aspect():
+def test_a_wide_photo_is_stored_with_its_short_side_at_size_and_its_aspect():
     data = jpeg(smooth(1920, 1080))
     stored, width, height = images.repack_image(data, 512)
     assert (width, height) == (1920, 1080)  # the original size, as the sample tables record it
     rgb = decoded(stored)
     h, w = rgb.shape[:2]
-    assert w * h <= 512 * 512
-    assert (w, h) == buckets.stored_size(1920, 1080, 512 * 512) == (682, 384)
+    assert (w, h) == buckets.stored_size(1920, 1080, 512) == (910, 512)
     assert abs((w / h) / (1920 / 1080) - 1) < 0.01
     assert mean_abs(rgb, full_reference(data, 512)) < 2.0
     # The red quarter stays the top-left quarter: not cropped, not turned.
@@ -82,8 +81,8 @@ def test_a_portrait_keeps_its_aspect_too():
     stored, width, height = images.repack_image(data, 256)
     h, w = decoded(stored).shape[:2]
     assert (width, height) == (600, 900)
-    assert (w, h) == buckets.stored_size(600, 900, 256 * 256) and h > w
-    assert w * h <= 256 * 256 and abs((w / h) / (600 / 900) - 1) < 0.01
+    assert (w, h) == buckets.stored_size(600, 900, 256) and h > w
+    assert w == 256 and abs((w / h) / (600 / 900) - 1) < 0.01
 
 
 def test_a_small_image_is_stored_at_its_own_size_not_upscaled():
@@ -96,24 +95,24 @@ def test_a_small_image_is_stored_at_its_own_size_not_upscaled():
         assert mean_abs(out, rgb) < 2.0
 
 
-def test_an_image_of_exactly_size_squared_is_kept_at_its_size():
+def test_an_image_with_a_short_side_under_size_is_kept_at_its_size():
     stored, _, _ = images.repack_image(jpeg(smooth(128, 32)), 64)
-    assert decoded(stored).shape == (32, 128, 3)  # 4096 px: at the limit, not resized
+    assert decoded(stored).shape == (32, 128, 3)  # short side 32 < 64: not resized
 
 
 @pytest.mark.parametrize(
     ("width", "height", "size", "reduce"),
     [
-        (1600, 900, 512, 2),  # the short-side rule would not reduce (900 < 2 x 512)
+        (2400, 1350, 512, 2),
         (1920, 1080, 64, 8),
-        (3000, 500, 128, 8),
-        (1500, 1000, 256, 4),
+        (3000, 500, 128, 4),  # the long side cap (512 x 85) leaves room for 4, not 8
+        (1500, 1000, 256, 2),
         (2048, 2048, 512, 4),
     ],
 )
 def test_a_reduced_jpeg_decode_lands_on_the_full_decodes_stored_size(width, height, size, reduce):
     data = jpeg(smooth(width, height, seed=width))
-    target = buckets.stored_size(width, height, size * size)
+    target = buckets.stored_size(width, height, size)
     assert images.stored_reduction((width, height), target) == reduce
     # The reduced image holds at least the stored sides (libjpeg rounds its sides up).
     reduced = images.decode_rgb(data, size, reduce=reduce)
@@ -136,7 +135,7 @@ def test_stored_reduction_never_leaves_a_side_short():
     for _ in range(2000):
         w, h = (int(v) for v in rng.integers(1, 6000, 2))
         size = int(rng.choice([64, 256, 512, 1024]))
-        target = buckets.stored_size(w, h, size * size)
+        target = buckets.stored_size(w, h, size)
         k = images.stored_reduction((w, h), target)
         assert -(-w // k) >= target[0] and -(-h // k) >= target[1], (w, h, size, k)
         if k < 8:  # the next reduction would leave a side short
@@ -149,7 +148,7 @@ def test_exif_orientation_is_applied_before_the_size_is_kept():
     stored, width, height = images.repack_image(data, 64)
     assert (width, height) == (80, 96)
     out = decoded(stored)
-    assert out.shape[:2] == buckets.stored_size(80, 96, 64 * 64)[::-1] == (70, 58)
+    assert out.shape[:2] == buckets.stored_size(80, 96, 64)[::-1] == (76, 64)
     assert np.abs(out[:10, :10].astype(int) - bad.RED).max() <= 30  # red corner up-left
 
 
@@ -192,7 +191,7 @@ def test_a_crop_box_is_cut_before_the_resize():
     assert mean_abs(out, full_reference(data, 64, box)) < 2.0
     # A box not square, and one under size²: kept as cut.
     out = decoded(images.repack_image(data, 64, crop=(0, 0, 300, 100))[0])
-    assert out.shape[:2] == buckets.stored_size(300, 100, 64 * 64)[::-1]
+    assert out.shape[:2] == buckets.stored_size(300, 100, 64)[::-1]
     out = decoded(images.repack_image(data, 64, crop=(100, 100, 40, 40))[0])
     assert out.shape == (40, 40, 3)
     assert mean_abs(out, rgb[100:140, 100:140]) < 2.0
@@ -217,7 +216,7 @@ def test_a_crop_box_leaving_the_image_is_padded():
 
 def test_readers_still_get_squares_of_what_is_stored():
     stored, _, _ = images.repack_image(jpeg(smooth(1920, 1080)), 64)
-    assert decoded(stored).shape == (48, 85, 3)
+    assert decoded(stored).shape == (64, 113, 3)
     square = images.decode_image(stored, 64)
     assert square.shape == (64, 64, 3) and square.dtype == np.uint8
 
