@@ -1,10 +1,10 @@
 """Repack throughput: 1024 px JPEGs in a zip archive -> 512 px JPEG webdataset shard; prints JSON.
 
 `images_per_s`: the production path (`tasks.adapters.repack_shard`: one read of the archive,
-decode by the rules of `tasks.images` with libjpeg's DCT-domain reduction, resize down to at
-most 512 px on the short side with the aspect kept, JPEG q95, in the crash-safe decode worker pool, one worker
-per core). `pil_images_per_s`: a plain PIL loop doing the same job on these square images
-(open, convert, resize short side with bicubic, center crop, JPEG q95 into a tar), one
+decode by the rules of `tasks.images` with libjpeg's DCT-domain reduction, resize down to a
+short side of at most 512 px with the aspect kept, JPEG q95, in the crash-safe decode worker
+pool, one worker per core). `pil_images_per_s`: a plain PIL loop doing the same job on these
+square images (open, convert, resize short side with bicubic, center crop, JPEG q95 into a tar), one
 process, as the recipe's scripts did. Both read the same archive in
 the same run; `speedup_vs_pil` is their ratio, `speedup_vs_pil_per_core` the ratio with one
 worker. Usage: python bench/repack.py [--images N] [--repeat R]

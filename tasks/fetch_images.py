@@ -3,8 +3,9 @@
 img2dataset only downloads (`disable_all_reencoding`: it keeps each image's bytes as served);
 the images then go through sdpipe's own decode workers (`tasks.images`), the one rule set of
 every source: EXIF orientation, 16-bit, alpha, CMYK, bombs (`too_large`), truncation, the size
-floor, the resize (down to a short side of at most `image_size`, aspect ratio kept), JPEG. Its status
-parquet becomes the shard's sample table, with every failure mapped to a named drop reason.
+floor, the resize (down to a short side of at most `image_size`, aspect ratio kept), JPEG.
+Its status parquet becomes the shard's sample table, with every failure mapped to a named
+drop reason.
 
 Downloads run on the node's fetch pool (`FetchPool`): long-lived child processes that import
 img2dataset once and run its shard downloader (`img2dataset.downloader.Downloader`, what its

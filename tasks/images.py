@@ -1,8 +1,9 @@
 """Image bytes -> RGB uint8 pixels by one stated rule per kind of input; decode workers.
 
-Two transforms share the rules: `repack_image` (the shards: the image resized down so its short side
-is at most `size` (its long side at most 4 x `size`), aspect ratio kept, never up) and `decode_image` (a reader's `size` x `size`
-square: short side resized to `size`, center crop).
+Two transforms share the rules: `repack_image` (the shards: the image resized down so its
+short side is at most `size` and its long side at most 4 x `size`, aspect ratio kept, never
+up) and `decode_image` (a reader's `size` x `size` square: short side resized to `size`,
+center crop).
 
 A JPEG with room for it is decoded reduced by 2, 4 or 8 in the DCT domain (libjpeg scaling,
 the same pixels as PIL's `draft`) before the resize: the reduced image still has at least the
