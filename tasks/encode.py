@@ -111,6 +111,9 @@ class LatentSpec:
         text = json.dumps(self.to_dict(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def __hash__(self) -> int:  # `vae` is a dict
+        return hash(self.digest())
+
 
 def vae_identity(model: Model) -> dict:
     """The VAE a latent was made by: the model's name, its pretrained weights as the catalog
