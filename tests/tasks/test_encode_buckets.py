@@ -398,3 +398,15 @@ def test_a_bad_bucket_plan_names_the_file_and_field(tmp_path, buckets, says):
         load_catalog(directory)
     message = str(info.value)
     assert "models.yaml" in message and "tiny." in message and says in message, message
+
+
+def test_a_bucketed_shard_where_no_image_decodes_writes_zero_rows(tmp_path, bucketed):
+    write_shard(tmp_path, {"broken": b"not an image"}, ["broken"])
+    spec = spec_of(bucketed, flips=True)
+    stats = encode.encode_shard(tmp_path, SOURCE, SHARD, bucketed, spec=spec)
+    assert stats.dropped == {"decode_error": 1} and stats.num_out == 0
+    assert stats.extra["buckets"] == {} and stats.extra["latent_mean"] is None
+    table = latent_keys.read(tmp_path, SOURCE, SHARD)
+    assert table.num_rows == 0 and latent_keys.spec_of(table) == spec.to_dict()
+    assert not list((tmp_path / SOURCE / "latents").glob("*.npy"))
+    assert encode.shard_done(tmp_path, SOURCE, SHARD, spec)
