@@ -45,6 +45,8 @@ STORED = {
     "near_square": (70, 60, "JPEG"),
     "wide2": (90, 50, "PNG"),
     "tall2": (50, 84, "PNG"),
+    # Larger than the plan needs 4x over: decoded reduced (libjpeg's DCT scaling, PIL's draft).
+    "big": (600, 400, "JPEG"),
 }
 
 
@@ -76,11 +78,24 @@ def stored() -> dict[str, bytes]:
 
 
 def reference_bucket(data: bytes) -> tuple[str, np.ndarray]:
-    """(bucket, pixels): PIL decode, nearest aspect among the plan's buckets, cover, center crop."""
-    rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    h, w = rgb.shape[:2]
+    """(bucket, pixels): PIL decode (a JPEG reduced by the largest of 8, 4, 2 that keeps the
+    short side the cover resize asks for), nearest aspect among the plan's buckets, cover,
+    center crop."""
     sizes = [tuple(int(v) for v in b.split("x")) for b in BUCKETS]
-    bw, bh = min(sizes, key=lambda s: (abs(s[0] / s[1] - w / h), s[0] / s[1]))
+
+    def nearest(w, h):
+        return min(sizes, key=lambda s: (abs(s[0] / s[1] - w / h), s[0] / s[1]))
+
+    img = Image.open(io.BytesIO(data))
+    if img.format == "JPEG":
+        bw, bh = nearest(*img.size)
+        need = math.ceil(min(img.size) * max(bw / img.width, bh / img.height))
+        k = next((k for k in (8, 4, 2) if min(img.size) >= k * need), 1)
+        if k > 1:
+            img.draft("RGB", (img.width // k, img.height // k))
+    rgb = np.asarray(img.convert("RGB"))
+    h, w = rgb.shape[:2]
+    bw, bh = nearest(w, h)
     scale = max(bw / w, bh / h)
     new_w, new_h = max(bw, round(w * scale)), max(bh, round(h * scale))
     if (new_w, new_h) != (w, h):
