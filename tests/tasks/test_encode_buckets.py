@@ -196,6 +196,9 @@ def test_a_bucketed_shard_writes_a_file_per_bucket_and_keys_that_index_them(
     table, files = read_bucketed(tmp_path)
     assert table.schema.names == ["key", "token_row", "bucket", "bucket_row", "sha256"]
     assert latent_keys.spec_of(table) == spec.to_dict() == stats.extra["latent_spec"]
+    # mix's checks of the keys against the tokens file read this layout too.
+    assert latent_keys.tokens_unchanged(tmp_path, SOURCE, SHARD, table)
+    assert latent_keys.tokens_match(tmp_path, SOURCE, SHARD, table)
     kept = [k for k in token_order() if k in STORED]
     assert table["key"].to_pylist() == kept  # every key once, in token order
     assert table["token_row"].to_pylist() == [token_order().index(k) for k in kept]
