@@ -1,6 +1,6 @@
 """The catalog: typed sources, filter profiles, datasets, phases and models, read from YAML."""
 
-from catalog.loader import Catalog, CatalogError, catalog_dir, load_catalog
+from catalog.loader import Catalog, CatalogError, catalog_dir, load_catalog, needs_flips
 from catalog.schema import (
     Dataset,
     EvalCategory,
@@ -27,4 +27,5 @@ __all__ = [
     "Source",
     "catalog_dir",
     "load_catalog",
+    "needs_flips",
 ]

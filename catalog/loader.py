@@ -361,7 +361,7 @@ def _check_references(c: Catalog) -> None:
             raise CatalogError(
                 f"{where}.allow_short: true, false or a fraction in (0, 1], got {short!r}"
             )
-        for fld in ("lr", "cfg_dropout"):
+        for fld in ("lr", "cfg_dropout", "flip_p"):
             if not 0 <= getattr(p, fld) <= 1:
                 raise CatalogError(f"{where}.{fld}: must be within [0, 1], got {getattr(p, fld)!r}")
         for fld in ("warmup_steps", "epochs", "batch_size", "grad_accum"):
@@ -408,6 +408,37 @@ def _check_references(c: Catalog) -> None:
                 raise CatalogError(f"{where}.{net}_config: give {net}_config or {net}_pretrained")
         if m.resolution % 8:
             raise CatalogError(f"{where}.resolution: must be a multiple of 8, got {m.resolution}")
+        if m.buckets is not None:
+            _check_buckets(m, where)
+
+
+def _check_buckets(m: Model, where: str) -> None:
+    """A model's bucket plan: known keys, numbers, and a plan that holds a bucket."""
+    from tasks.buckets import BucketPlan  # numpy only; not needed to read the rest
+
+    allowed = ("area", "step", "min_side", "max_side", "max_aspect")
+    for key, value in m.buckets.items():
+        if key not in allowed:
+            raise CatalogError(
+                f"{where}.buckets.{key}: unknown field (allowed: {', '.join(allowed)})"
+            )
+        integral = key != "max_aspect"
+        if isinstance(value, bool) or not isinstance(value, int if integral else int | float):
+            kind = "an integer" if integral else "a number"
+            raise CatalogError(f"{where}.buckets.{key}: expected {kind}, got {value!r}")
+    try:
+        BucketPlan.from_dict(m.buckets, m.resolution).sizes()
+    except ValueError as e:
+        raise CatalogError(f"{where}.buckets: {e}") from None
+
+
+def needs_flips(catalog: Catalog, source: str) -> bool:
+    """Whether a source's latents must hold the mirrored images too: some phase mixing one of
+    its datasets flips (`flip_p` > 0)."""
+    return any(
+        p.flip_p > 0 and any(catalog.datasets[m.dataset].source == source for m in p.mix)
+        for p in catalog.phases.values()
+    )
 
 
 def check_finetune(f: Finetune, path: Path) -> None:

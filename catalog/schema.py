@@ -37,6 +37,9 @@ class Source:
     # 10/8, 172.16/12, 192.168/16, link-local, IPv6 ULA, localhost). Off for real sources (a
     # metadata row must not make the fetcher read internal services); on for the demo.
     allow_private_hosts: bool = False
+    # Encode also stores the posterior's log-variance (latents of 8 channels), so a phase may
+    # draw a latent from the posterior instead of taking its mean (docs/training-data.md).
+    latent_sampling: bool = False
     options: dict = field(default_factory=dict)
 
 
@@ -120,6 +123,9 @@ class Phase:
     batch_size: int
     grad_accum: int = 1
     seed: int = 0
+    # Each training sample is mirrored (left-right) with this probability; above 0, encode
+    # stores each image's latents of the mirrored image too (docs/training-data.md).
+    flip_p: float = 0.0
     sample_prompts: tuple[str, ...] = ()  # prompts of the sample grids; empty: the trainer's
     # Training settings a phase may change; null keeps the base run config's value
     # (`sdtrain.config.TrainConfig`, which documents each).
@@ -160,6 +166,9 @@ class Model:
     vae_pretrained: str = ""
     text_config: dict = field(default_factory=dict)
     text_pretrained: str = ""
+    # Aspect-ratio buckets ({area, step, min_side, max_side, max_aspect}: tasks.buckets); None:
+    # one bucket, the `resolution` square.
+    buckets: dict | None = None
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -184,13 +184,16 @@ class _Run:
         needs_all: bool = False,
         inputs: dict | None = None,
         expected: int = 0,
+        done=None,
     ) -> Stage:
         if needs_all and self.failures:
             raise StageFailed(
                 f"{DISPLAY[stage_name]} needs every shard before it: "
                 + _failed(self.failures, self.permanent)
             )
-        one = self.stages.stage(stage_name, limit=limit, inputs=inputs, expected=expected)
+        one = self.stages.stage(
+            stage_name, limit=limit, inputs=inputs, expected=expected, done=done
+        )
         one.on_end(self._record)
         return one
 
@@ -268,14 +271,23 @@ def run_source(
     for d in datasets:
         view_stage.add(d, functools.partial(views.build_view, root, catalog, d))
     view_stage.seal()
+    # The latent layout (bucket plan, flips, log-variance) from the catalog: part of the
+    # encode task's cache key, and a shard is done only under it.
+    spec = encode.spec_for(catalog, name)
     encoders = Devices(
         f"encode-{name}",
-        functools.partial(_serve_latents, root, name, model, budget),
+        functools.partial(_serve_latents, root, name, model, budget, spec),
         release=encode.release_device,
     )
     with encoders:
         tokens = run.stage("tokens", limit=run.limits["tokens"], expected=len(shard_names))
-        latents = run.stage("latents", limit=run.limits["latents"], expected=len(shard_names))
+        latents = run.stage(
+            "latents",
+            limit=run.limits["latents"],
+            expected=len(shard_names),
+            inputs=dict.fromkeys(shard_names, spec.digest()),
+            done=functools.partial(encode.shard_done, root, name, spec=spec),
+        )
         tokens.on_done(lambda s, _: latents.add(s, functools.partial(encoders.run, s)))
         tokens.on_end(lambda _: latents.seal())
         if hf_dataset:
@@ -336,8 +348,9 @@ def _release_scorer(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _serve_latents(root: Path, name: str, model, budget: int, device, shards):
-    """A device's encoder: one pipeline over the shards it is dealt (`encode.encode_stream`).
+def _serve_latents(root: Path, name: str, model, budget: int, spec, device, shards):
+    """A device's encoder: one pipeline over the shards it is dealt (`encode.encode_stream`),
+    writing the source's latent layout `spec`.
 
     On GPUs the node's decode processes are shared by every device's pipeline: the budget but
     two cores per device (its I/O and feeding threads, the VAE's launches). On CPU the
@@ -346,7 +359,7 @@ def _serve_latents(root: Path, name: str, model, budget: int, device, shards):
     if device.type == "cuda":
         num_workers = max(1, budget - 2 * len(pools.node_devices()))
     yield from encode.encode_stream(
-        root, name, shards, model, device=device, num_workers=num_workers
+        root, name, shards, model, device=device, num_workers=num_workers, spec=spec
     )
 
 

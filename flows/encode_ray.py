@@ -62,6 +62,7 @@ def encode_shards_task(
     batch_size: int,
     num_workers: int,
     compile: bool,
+    spec: encode.LatentSpec | None = None,
 ) -> list[dict]:
     stats = encode.encode_shards(
         Path(root),
@@ -71,6 +72,7 @@ def encode_shards_task(
         batch_size=batch_size,
         num_workers=num_workers,
         compile=compile,
+        spec=spec,
     )
     return [asdict(s) for s in stats]
 
@@ -100,6 +102,7 @@ def encode_ray(
     root = shards.data_root(data_root)
     catalog = load_catalog()
     model = catalog.model(catalog.source(source).model)
+    spec = encode.spec_for(catalog, source)  # the catalog's bucket plan, flips, log-variance
     names = sorted(p.stem for p in (root / source / "tokens").glob("[0-9]*.parquet"))
     groups = [names[i : i + shards_per_task] for i in range(0, len(names), shards_per_task)]
     cluster = ray.cluster_resources()
@@ -125,6 +128,7 @@ def encode_ray(
                 batch_size=batch_size,
                 num_workers=max(1, cpus_per_task - 2),
                 compile=compile,
+                spec=spec,
             )
             for group in groups
         ]

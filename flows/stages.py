@@ -195,10 +195,12 @@ class StageRun:
         limit: int | None = None,
         inputs: dict[str, str] | None = None,
         expected: int = 0,
+        done: Callable[[str], bool] | None = None,
     ) -> Stage:
         """A stage of this run: `limit` task runs at once (None: no bound of its own);
-        `expected`: the units it will get at most, for its progress."""
-        one = Stage(self, stage, limit=limit, inputs=inputs, expected=expected)
+        `expected`: the units it will get at most, for its progress; `done(shard)`: whether a
+        unit is done on disk (default: its record and outputs, `tasks.shards.is_done`)."""
+        one = Stage(self, stage, limit=limit, inputs=inputs, expected=expected, done=done)
         self.stages.append(one)
         return one
 
@@ -221,10 +223,11 @@ class Stage:
     every unit has finished or failed.
     """
 
-    def __init__(self, run: StageRun, stage: str, *, limit, inputs, expected: int):
+    def __init__(self, run: StageRun, stage: str, *, limit, inputs, expected: int, done=None):
         self.run, self.stage, self.name = run, stage, DISPLAY[stage]
         self.limit = limit
         self.inputs = inputs or {}
+        self.done_on_disk = done or (lambda shard: is_done(run.root, run.source, stage, shard))
         self.expected = expected
         self.configured = shard_task.with_options(
             retries=IO_STAGES.get(stage, 0),
@@ -274,7 +277,7 @@ class Stage:
             future = self.configured.with_options(
                 task_run_name=f"{self.name}-{self.run.source}-{shard}",
                 # A cached "done" stands only while the unit's record and outputs do.
-                refresh_cache=not is_done(root, self.run.source, self.stage, shard),
+                refresh_cache=not self.done_on_disk(shard),
             ).submit(
                 stage=self.stage,
                 source=self.run.source,

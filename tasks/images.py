@@ -564,5 +564,80 @@ def repack_stream(
     yield from drain(0)
 
 
+# ---- aspect-ratio buckets (encode) -------------------------------------------------------------
+
+_plans: dict[str, tuple] = {}
+
+
+def _plan(plan: dict) -> tuple:
+    """(BucketPlan, its sizes) of a plan's dict, built once per worker."""
+    from tasks.buckets import BucketPlan  # numpy only, like this module
+
+    key = json.dumps(plan, sort_keys=True)
+    if key not in _plans:
+        built = BucketPlan(**plan)
+        _plans[key] = (built, built.sizes())
+    return _plans[key]
+
+
+def _cover_side(dims: tuple[int, int] | None, plan, sizes: np.ndarray) -> int:
+    """The short side an image of header size `dims` is resized to when it covers its bucket
+    (either orientation, as EXIF may turn it): a reduced JPEG decode keeps at least that."""
+    if not dims or min(dims) < 1:
+        return int(sizes.max())
+    need = 1
+    for w, h in (dims, dims[::-1]):
+        bw, bh = sizes[int(plan.assign([w], [h])[0])].tolist()
+        need = max(need, int(np.ceil(min(w, h) * max(bw / w, bh / h))))
+    return need
+
+
+def decode_to_bucket(data: bytes, plan: dict) -> tuple[int, np.ndarray]:
+    """(bucket index into the plan's sizes, RGB uint8 [H, W, 3] of that bucket) of an image's
+    bytes: the decode rules above, the bucket nearest the decoded image's aspect ratio, resized
+    to cover it (INTER_AREA down, INTER_CUBIC up) and center-cropped (`buckets.cover_box`).
+    Raises Unusable with the drop reason."""
+    from tasks.buckets import cover_box
+
+    built, sizes = _plan(plan)
+    try:
+        fmt = sniff(data)
+        rgb = decode_rgb(data, _cover_side(header_size(data, fmt), built, sizes))
+        h, w = rgb.shape[:2]
+        if max(h, w) > MAX_ASPECT * min(h, w):
+            raise Unusable("extreme_aspect")
+        bucket = int(built.assign([w], [h])[0])
+        bw, bh = sizes[bucket].tolist()
+        new_w, new_h, left, top = cover_box(w, h, (bw, bh))
+        if (new_w, new_h) != (w, h):
+            shrink = new_w * new_h < w * h
+            interpolation = cv2.INTER_AREA if shrink else cv2.INTER_CUBIC
+            rgb = cv2.resize(rgb, (new_w, new_h), interpolation=interpolation)
+        return bucket, np.ascontiguousarray(rgb[top : top + bh, left : left + bw])
+    except cv2.error:
+        raise Unusable("decode_error") from None
+
+
+def decode_bucketed(
+    items: list[tuple[int, bytes]], size: int, *, plan: dict
+) -> tuple[list[int], list[tuple[int, np.ndarray]], dict[int, str]]:
+    """Decode worker task of a bucket plan (`BucketPlan.to_dict()`): (rows decoded, their
+    (bucket index, pixels [H, W, 3] of the bucket), reason per dropped row). `size` is unused
+    (the plan sets the shapes); whatever one image raises drops that image only."""
+    rows, out, dropped = [], [], {}
+    for row, data in items:
+        try:
+            out.append(decode_to_bucket(data, plan))
+            rows.append(row)
+        except Unusable as e:
+            dropped[row] = e.reason
+        except Exception:  # a decoder's unforeseen failure is one bad image, not a bad shard
+            dropped[row] = "decode_error"
+    return rows, out, dropped
+
+
+WORKER_TASKS["bucketed"] = decode_bucketed
+
+
 if __name__ == "__main__":
     serve()

@@ -7,6 +7,12 @@ per row (the stats record held them as JSON lists before). Its schema metadata h
 mtime of the tokens file the rows point into, as encode saw it: mix trusts `token_row` while that
 file is unchanged and checks the keys against it when it is not.
 
+With a bucket plan, flips or latent sampling (docs/training-data.md, "Latents on disk") the
+latents are one file per bucket, `latents/NNNNN.WxH.npy` [n, V, C, H/8, W/8], and this file has
+three more columns: `bucket` ("WxH"), `bucket_row` (int32, the row in that bucket's file) and
+`sha256` (the image bytes' digest, "" when unknown); its schema metadata holds `latent_spec`
+(JSON: VAE, plan, views, channels), what the shard was encoded under.
+
 Shards encoded before this file existed carry their keys in the stats record (`extra["keys"]`,
 `extra["token_rows"]`): `read` falls back to them (slower, checked against the tokens file each
 time), so an older data root mixes without re-encoding.
@@ -14,6 +20,7 @@ time), so an older data root mixes without re-encoding.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,10 +34,26 @@ from tasks.shards import ShardStats, atomic_path, stats_path
 STAGE = "latents"
 SUFFIX = ".keys.arrow"
 SCHEMA = pa.schema([("key", pa.string()), ("token_row", pa.int32())])
+BUCKETED_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("token_row", pa.int32()),
+        ("bucket", pa.string()),
+        ("bucket_row", pa.int32()),
+        ("sha256", pa.string()),
+    ]
+)
+SPEC_KEY = b"latent_spec"
+_TOKEN_IDENTITY = (b"tokens_bytes", b"tokens_mtime_ns")
 
 
 def path(root: Path, source: str, shard: str) -> Path:
     return root / source / STAGE / f"{shard}{SUFFIX}"
+
+
+def latents_path(root: Path, source: str, shard: str, bucket: str | None = None) -> Path:
+    """The latents of a shard (legacy: `NNNNN.npy`) or of one of its buckets (`NNNNN.WxH.npy`)."""
+    return root / source / STAGE / (f"{shard}.{bucket}.npy" if bucket else f"{shard}.npy")
 
 
 def tokens_path(root: Path, source: str, shard: str) -> Path:
@@ -70,6 +93,30 @@ def table(keys, token_rows, tokens: Path) -> pa.Table:
     )
 
 
+def bucketed_table(
+    keys, token_rows, buckets, bucket_rows, sha256, tokens: Path, spec: dict
+) -> pa.Table:
+    """A keys file's table of the per-bucket layout: the columns above, marked with the tokens
+    file's identity and the latent spec the shard was encoded under."""
+    metadata = _identity(tokens) | {SPEC_KEY: json.dumps(spec, sort_keys=True).encode()}
+    return pa.table(
+        {
+            "key": pa.array(keys, pa.string()),
+            "token_row": pa.array(token_rows, pa.int32()),
+            "bucket": pa.array(buckets, pa.string()),
+            "bucket_row": pa.array(bucket_rows, pa.int32()),
+            "sha256": pa.array(sha256, pa.string()),
+        },
+        schema=BUCKETED_SCHEMA.with_metadata(metadata),
+    )
+
+
+def spec_of(table: pa.Table) -> dict | None:
+    """The latent spec a keys file was written under; None for the legacy layout."""
+    raw = (table.schema.metadata or {}).get(SPEC_KEY)
+    return json.loads(raw) if raw else None
+
+
 def write_table(final: Path, table: pa.Table) -> None:
     with (
         atomic_path(final) as tmp,
@@ -107,7 +154,7 @@ def read(root: Path, source: str, shard: str, record: ShardStats | None = None) 
 
 def tokens_unchanged(root: Path, source: str, shard: str, table: pa.Table) -> bool:
     """True when the tokens file is the one the keys file was written against (size, mtime)."""
-    recorded = table.schema.metadata or {}
+    recorded = {k: v for k, v in (table.schema.metadata or {}).items() if k in _TOKEN_IDENTITY}
     return bool(recorded) and recorded == _identity(tokens_path(root, source, shard))
 
 
@@ -126,8 +173,9 @@ def tokens_match(root: Path, source: str, shard: str, table: pa.Table) -> bool:
 def sample(
     root: Path, source: str, records: Sequence[ShardStats], num_samples: int, seed: int
 ) -> list[tuple[str, int, str]]:
-    """(shard, latent row, key) of the first `num_samples` of a permutation (seeded) of every
-    encoded row of `records`, in row order: only the picked shards' keys are read."""
+    """(shard, row of its keys file, key) of the first `num_samples` of a permutation (seeded)
+    of every encoded row of `records`, in row order: only the picked shards' keys are read.
+    The row is the latent row of the legacy layout; of the per-bucket one, `locate` it."""
     counts = np.array([s.num_out for s in records], np.int64)
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
@@ -140,3 +188,10 @@ def sample(
         key = read(root, source, record.shard, record)["key"][row].as_py()
         picked.append((record.shard, row, key))
     return picked
+
+
+def locate(table: pa.Table, row: int) -> tuple[str | None, int]:
+    """(bucket or None for the legacy layout, row in that latents file) of a keys file's row."""
+    if "bucket" not in table.column_names:
+        return None, row
+    return table["bucket"][row].as_py(), int(table["bucket_row"][row].as_py())
