@@ -480,3 +480,11 @@ def _check_profile(pr: FilterProfile, path: Path) -> None:
     for fld in ("min_side", "min_caption_words"):
         if getattr(pr, fld) < 0:
             raise CatalogError(f"{where}.{fld}: must be >= 0, got {getattr(pr, fld)!r}")
+    for tag, bonus in pr.tag_bonus_scores.items():
+        if isinstance(bonus, bool) or not isinstance(bonus, int | float):
+            raise CatalogError(f"{where}.tag_bonus_scores.{tag}: expected a number, got {bonus!r}")
+    if any(a <= b for a, b in zip(pr.score_tags[:-1], pr.score_tags[1:], strict=True)):
+        raise CatalogError(
+            f"{where}.score_tags: thresholds highest first, each lower than the one before, "
+            f"got {list(pr.score_tags)}"
+        )
