@@ -146,6 +146,16 @@ class Phase:
     sample_every: int | None = None
     # The eval set (eval.yaml) the phase is evaluated on after training; "": not evaluated.
     eval_set: str = "default"
+    # Captions at train time (docs/training-data.md): mix writes `captions.arrow` and the loader
+    # tokenizes each batch, drawn per (seed, epoch, row): one caption of several; with
+    # probability `shuffle_tags_p` the tags (split on `tag_separator`) after the first
+    # `keep_tokens` are shuffled; each of those is dropped with probability `tag_dropout`.
+    # The augmentation settings need `train_time_captions: true`.
+    train_time_captions: bool = False
+    shuffle_tags_p: float = 0.0
+    keep_tokens: int = 0
+    tag_separator: str = ", "
+    tag_dropout: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

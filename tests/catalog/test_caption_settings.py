@@ -43,3 +43,61 @@ def test_bad_score_settings_name_the_profile_and_field(catalog_copy, old, new, e
     edit_entry(path, "seed002", old, new)
     with pytest.raises(CatalogError, match=error):
         load_catalog(catalog_copy)
+
+
+TAGGED_PHASE = """  train_time_captions: true
+  shuffle_tags_p: 0.5
+  keep_tokens: 1
+  tag_separator: ' '
+  tag_dropout: 0.1
+"""
+
+
+def test_a_phase_with_train_time_captions_reaches_the_run_config(catalog_copy):
+    from sdtrain.config import run_config_for_phase
+
+    path = catalog_copy / "phases.yaml"
+    edit_entry(path, "demo", "  grad_accum: 1\n", "  grad_accum: 1\n" + TAGGED_PHASE)
+    phase = load_catalog(catalog_copy).phase("demo")
+    config = run_config_for_phase(phase, phase_dir="p", run_dir="r")
+    settings = ("train_time_captions", "shuffle_tags_p", "keep_tokens", "tag_separator")
+    assert [getattr(config, f) for f in settings] == [True, 0.5, 1, " "]
+    assert config.tag_dropout == 0.1
+    # A phase without them runs as before: stored ids, no augmentation.
+    plain = run_config_for_phase(
+        load_catalog(catalog_copy).phase("phase-1"), phase_dir="p", run_dir="r"
+    )
+    assert (plain.train_time_captions, plain.shuffle_tags_p, plain.tag_separator) == (
+        False,
+        0.0,
+        ", ",
+    )
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "error"),
+    [
+        ("  train_time_captions: true\n", "", r"demo\.shuffle_tags_p: caption augmentation needs "),
+        (
+            "  shuffle_tags_p: 0.5\n",
+            "  shuffle_tags_p: 1.5\n",
+            r"demo\.shuffle_tags_p: must be within",
+        ),
+        ("  tag_dropout: 0.1\n", "  tag_dropout: -0.1\n", r"demo\.tag_dropout: must be within"),
+        ("  keep_tokens: 1\n", "  keep_tokens: -1\n", r"demo\.keep_tokens: must be >= 0"),
+        ("  tag_separator: ' '\n", "  tag_separator: ''\n", r"demo\.tag_separator: must not be"),
+    ],
+)
+def test_bad_caption_settings_name_the_phase_and_field(catalog_copy, old, new, error):
+    path = catalog_copy / "phases.yaml"
+    edit_entry(path, "demo", "  grad_accum: 1\n", "  grad_accum: 1\n" + TAGGED_PHASE)
+    edit_entry(path, "demo", old, new)
+    with pytest.raises(CatalogError, match=error):
+        load_catalog(catalog_copy)
+
+
+def test_keep_tokens_alone_needs_train_time_captions(catalog_copy):
+    path = catalog_copy / "phases.yaml"
+    edit_entry(path, "demo", "  grad_accum: 1\n", "  grad_accum: 1\n  keep_tokens: 1\n")
+    with pytest.raises(CatalogError, match=r"demo\.keep_tokens: caption augmentation needs"):
+        load_catalog(catalog_copy)
