@@ -125,7 +125,9 @@ class TrainTimeCaptions:
 
     def caption(self, row: int, epoch: int) -> str:
         """The row's caption for this epoch: drawn, tags shuffled and dropped (module doc)."""
-        options = self.options(row)
+        return self._augmented(self.options(row), row, epoch)
+
+    def _augmented(self, options: list[str], row: int, epoch: int) -> str:
         s = self.settings
         if len(options) == 1 and not s.augments:
             return options[0]
@@ -138,14 +140,42 @@ class TrainTimeCaptions:
         if s.shuffle_tags_p > 0 and rng.random() < s.shuffle_tags_p:
             rest = [rest[i] for i in rng.permutation(len(rest))]
         if s.tag_dropout > 0:
-            survive = rng.random(len(rest)) >= s.tag_dropout
+            survive = (rng.random(len(rest)) >= s.tag_dropout).tolist()
             rest = [t for t, keep in zip(rest, survive, strict=True) if keep]
         return s.tag_separator.join(kept + rest)
 
     def captions(self, rows: Sequence[int], epoch: int | Sequence[int]) -> list[str]:
         """The captions of a batch's rows (one epoch, or one per row)."""
-        epochs = [epoch] * len(rows) if isinstance(epoch, int) else list(epoch)
-        return [self.caption(int(r), int(e)) for r, e in zip(rows, epochs, strict=True)]
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        epochs = np.broadcast_to(np.asarray(epoch, np.int64), rows.shape).tolist()
+        return [
+            self._augmented(options, r, e)
+            for options, r, e in zip(self._options_of(rows), rows.tolist(), epochs, strict=True)
+        ]
+
+    def _options_of(self, rows: np.ndarray) -> list[list[str]]:
+        """Each row's captions, a batch in one Arrow take per chunk it touches."""
+        chunks = self._mapped()
+        if len(rows) and (rows.min() < 0 or rows.max() >= self._starts[-1]):
+            raise IndexError(f"{self.path}: rows {rows.tolist()} of {int(self._starts[-1])}")
+        chunk_of = np.searchsorted(self._starts, rows, side="right") - 1
+        out: list[list[str]] = [[] for _ in range(len(rows))]
+        for c in np.unique(chunk_of).tolist():
+            at = np.flatnonzero(chunk_of == c)
+            offsets, values = chunks[c]
+            local = rows[at] - int(self._starts[c])
+            starts, ends = offsets[local], offsets[local + 1]
+            flat = values.take(
+                pa.array(
+                    np.concatenate([np.arange(a, b) for a, b in zip(starts, ends, strict=True)])
+                )
+                if len(local)
+                else pa.array([], pa.int64())
+            ).to_pylist()
+            cut = np.concatenate([[0], np.cumsum(ends - starts)]).tolist()
+            for i, a, b in zip(at.tolist(), cut[:-1], cut[1:], strict=True):
+                out[i] = flat[a:b]
+        return out
 
     def ids(self, row: int, epoch: int) -> np.ndarray:
         """The row's token ids for this epoch, int32 [77], as tokenize would store them."""

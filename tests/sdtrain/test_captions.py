@@ -153,6 +153,11 @@ def test_write_captions_takes_each_rows_captions_in_manifest_order(tmp_path, mon
     write_captions(phase_dir)
     assert TrainTimeCaptions(phase_dir).options(2) == ["old zero", "old 0"]
     assert len(TrainTimeCaptions(phase_dir)) == len(rows)
+    # A batch (rows of both record batches, an epoch each) is its rows' captions, one by one.
+    captions = TrainTimeCaptions(phase_dir, seed=5)
+    batch = captions.captions([7, 0, 5, 2, 4], [1, 2, 3, 4, 5])
+    assert batch == [captions.caption(r, e) for r, e in [(7, 1), (0, 2), (5, 3), (2, 4), (4, 5)]]
+    assert batch[:3] == ["b two", "b two", "old one"]
 
 
 def test_mix_writes_captions_for_a_phase_that_tokenizes_at_train_time(tmp_path, monkeypatch):
