@@ -84,7 +84,9 @@ class TrainTimeCaptions:
         if not self.path.is_file():
             raise FileNotFoundError(
                 f"{self.path} is missing: the phase tokenizes at train time but its set was "
-                "mixed without captions; mix the phase again"
+                "mixed without captions; mix the phase again (a run with checkpoints keeps the "
+                "set it started on: `sdtrain.captions.write_captions(<phase_dir>)` adds the "
+                "file to it)"
             )
         self._lock = threading.Lock()
         self._chunks: list[tuple[np.ndarray, pa.Array]] | None = None

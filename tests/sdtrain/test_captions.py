@@ -205,3 +205,21 @@ def test_tokenizer_throughput(tagged, capsys):
     with capsys.disabled():
         print(f"\ntrain-time captions: {rate:,.0f} captions/s on one thread (batch {batch})")
     assert ids.shape == (batch, 77) and rate > 500
+
+
+def test_loader_threads_share_one_instance(tagged):
+    """The file is mapped once, on first use, whichever loader thread gets there first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings = CaptionSettings(shuffle_tags_p=0.5, keep_tokens=1, tag_dropout=0.2)
+    serial = TrainTimeCaptions(tagged, settings, seed=1)
+    expected = [serial.ids_batch([0, 1, 0], epoch).tolist() for epoch in range(16)]
+    shared = TrainTimeCaptions(tagged, settings, seed=1)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda e: shared.ids_batch([0, 1, 0], e).tolist(), range(16)))
+    assert got == expected
+
+
+def test_a_phase_set_mixed_without_captions_is_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"captions.arrow is missing.*mix the phase again"):
+        TrainTimeCaptions(tmp_path)
