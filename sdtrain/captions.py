@@ -248,23 +248,49 @@ def write_captions(
         index = layout.mapped_index(phase_dir) or layout.derived_index(phase_dir)
     files, rows = index
     names = [f["name"] if isinstance(f, dict) else f for f in files]
-    loaded: dict[Path, pa.Array] = {}  # tokens file (resolved) -> its captions
-    last = _last_rows(rows, len(names))
+    out = phase_dir / CAPTIONS
+    tmp = out.with_name(f".{CAPTIONS}.tmp")
+    try:
+        _write_batches(tmp, rows, _TokenFiles(phase_dir, root, names))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(out)
+    return out
 
-    def captions_of(f: int) -> pa.Array:
-        path = phase_dir / "tokens" / f"{names[f]}.parquet"
+
+class _TokenFiles:
+    """The captions of a phase set's tokens files (list<string> each), read on first use and
+    held until released; files linked to one tokens file (a shard's buckets) read it once."""
+
+    def __init__(self, phase_dir: Path, root: Path, names: list[str]):
+        self.phase_dir, self.root, self.names = phase_dir, root, names
+        self.loaded: dict[Path, pa.Array] = {}  # tokens file (resolved) -> its captions
+
+    def path(self, f: int) -> Path:
+        return self.phase_dir / "tokens" / f"{self.names[f]}.parquet"
+
+    def captions(self, f: int) -> pa.Array:
+        path = self.path(f)
         target = path.resolve()
-        if target not in loaded:
+        if target not in self.loaded:
             have = pq.read_schema(path).names
             if "captions" in have or "caption" in have:
                 wanted = ["captions"] if "captions" in have else ["caption"]
-                loaded[target] = _listed(pq.read_table(path, columns=wanted))
+                self.loaded[target] = _listed(pq.read_table(path, columns=wanted))
             else:
-                loaded[target] = _from_shards(path, root, names[f])
-        return loaded[target]
+                self.loaded[target] = _from_shards(path, self.root, self.names[f])
+        return self.loaded[target]
 
-    out = phase_dir / CAPTIONS
-    tmp = out.with_name(f".{CAPTIONS}.tmp")
+    def release(self, files: list[int]) -> None:
+        for f in files:
+            self.loaded.pop(self.path(f).resolve(), None)
+
+
+def _write_batches(tmp: Path, rows: np.ndarray, token_files: _TokenFiles) -> None:
+    """captions.arrow's record batches, BATCH_ROWS manifest rows each, in manifest order: a
+    block's rows grouped by file, each file's taken at their token rows, put back in order."""
+    last = _last_rows(rows, len(token_files.names))
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, SCHEMA) as writer:
         for start in range(0, len(rows), BATCH_ROWS):
             block = np.asarray(rows[start : start + BATCH_ROWS])
@@ -274,23 +300,20 @@ def write_captions(
             parts = []
             for run in np.split(order, bounds):
                 f = int(file_of[run[0]])
-                listed = captions_of(f)
+                listed = token_files.captions(f)
                 wanted = token_rows[run]
                 if wanted.max() >= len(listed):
                     raise ValueError(
-                        f"{phase_dir}/tokens/{names[f]}.parquet: fewer rows than the manifest "
-                        "reads; mix the phase again"
+                        f"{token_files.path(f)}: fewer rows than the manifest reads; mix the "
+                        "phase again"
                     )
                 parts.append(listed.take(pa.array(wanted)))
             taken = pa.concat_arrays(parts) if parts else pa.array([], SCHEMA.field(0).type)
             inverse = np.empty(len(order), np.int64)
             inverse[order] = np.arange(len(order))
-            batch = pa.record_batch([taken.take(pa.array(inverse))], schema=SCHEMA)
-            writer.write_batch(batch)
-            for f in np.unique(file_of[last[file_of] < start + BATCH_ROWS]).tolist():
-                loaded.pop((phase_dir / "tokens" / f"{names[f]}.parquet").resolve(), None)
-    tmp.replace(out)
-    return out
+            writer.write_batch(pa.record_batch([taken.take(pa.array(inverse))], schema=SCHEMA))
+            # Files whose last row is behind: let go (a file's rows come in runs).
+            token_files.release(np.unique(file_of[last[file_of] < start + BATCH_ROWS]).tolist())
 
 
 def _last_rows(rows: np.ndarray, num_files: int) -> np.ndarray:

@@ -223,3 +223,13 @@ def test_loader_threads_share_one_instance(tagged):
 def test_a_phase_set_mixed_without_captions_is_one_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"captions.arrow is missing.*mix the phase again"):
         TrainTimeCaptions(tmp_path)
+
+
+def test_a_manifest_reading_past_its_tokens_file_writes_nothing(tmp_path):
+    phase_dir = tmp_path / "phases" / "p"
+    (phase_dir / "tokens").mkdir(parents=True)
+    pq.write_table(tokens_table(["k0"], ["one"]), phase_dir / "tokens" / "s-00000.parquet")
+    rows = np.array([[0, 0, 0], [0, 1, 1]], np.int32)
+    with pytest.raises(ValueError, match=r"s-00000.parquet: fewer rows than the manifest reads"):
+        write_captions(phase_dir, (["s-00000"], rows))
+    assert sorted(p.name for p in phase_dir.iterdir()) == ["tokens"]  # no captions, no temp
