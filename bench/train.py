@@ -269,9 +269,9 @@ def bench_captions(args, phase: Path, step_s: float) -> dict:
             "keep_tokens": settings.keep_tokens,
             "tag_dropout": settings.tag_dropout,
         },
-        "data_s_per_batch_stored_ids": timings["stored"],
-        "data_s_per_batch_train_time_captions": timings["collate"],
-        "data_s_per_batch_train_time_captions_per_item": timings["per_item"],
+        "data_ms_per_batch_stored_ids": 1e3 * timings["stored"],
+        "data_ms_per_batch_train_time_captions": 1e3 * timings["collate"],
+        "data_ms_per_batch_train_time_captions_per_item": 1e3 * timings["per_item"],
         "train_time_captions_per_s": args.batch_size / max(extra, 1e-9),
         "train_time_captions_step_share": max(extra, 0.0) / (step_s + max(extra, 0.0)),
     }
