@@ -191,6 +191,14 @@ class TrainTimeCaptions:
         return ids
 
 
+def for_run(config) -> TrainTimeCaptions | None:
+    """A run's train-time captions (a `TrainConfig` with `train_time_captions`), seeded by the
+    run's seed; None: the run reads the stored ids."""
+    if not config.train_time_captions:
+        return None
+    return TrainTimeCaptions(config.phase_dir, CaptionSettings.of(config), config.seed)
+
+
 def _listed(table: pa.Table) -> pa.Array:
     """The `captions` list<string> of a tokens table: its own column, else `caption` as a list
     of one."""

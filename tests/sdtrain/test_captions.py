@@ -233,3 +233,17 @@ def test_a_manifest_reading_past_its_tokens_file_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"s-00000.parquet: fewer rows than the manifest reads"):
         write_captions(phase_dir, (["s-00000"], rows))
     assert sorted(p.name for p in phase_dir.iterdir()) == ["tokens"]  # no captions, no temp
+
+
+def test_a_run_config_with_train_time_captions_gets_its_captions(tagged):
+    from sdtrain.config import TrainConfig
+
+    base = dict(
+        phase="p", phase_dir=str(tagged), run_dir="r", model="tiny", lr=1e-4, warmup_steps=0,
+        epochs=1, batch_size=2, cfg_dropout=0.1, min_snr_gamma=5.0, seed=4,
+    )  # fmt: skip
+    assert cap.for_run(TrainConfig(**base)) is None  # stored ids, as before
+    config = TrainConfig(**base, train_time_captions=True, shuffle_tags_p=1.0, keep_tokens=1)
+    captions = cap.for_run(config)
+    assert captions.settings == CaptionSettings(shuffle_tags_p=1.0, keep_tokens=1)
+    assert captions.caption(0, 2) == TrainTimeCaptions(tagged, captions.settings, 4).caption(0, 2)
