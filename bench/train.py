@@ -3,7 +3,19 @@
 The naive loop decodes JPEGs and VAE/text-encodes every step; both run --repeats times,
 alternating, best run kept (other load only slows a run). CUDA adds MFU: FLOPs of one step
 (flop_counter, no recompute) x steps/s / dense bf16 peak. Prints one JSON object.
+
+Issue 20's data paths (docs/training-data.md):
+- `--train-time-captions`: the phase set gets tag captions (one to three per row) and
+  `captions.arrow`; after the runs, the loader's data path is timed over the same batches with
+  the stored ids and with train-time captions (`sdtrain.captions`: drawn, shuffled, dropped,
+  tokenized per batch in the collate, and per item as a dataset's `token_ids(row, epoch)`
+  would), and the data wait it adds is reported as a share of the measured step.
+- `--buckets`: the phase set is written as mix writes a bucketed one (a latent file per
+  bucket, [n, 1, 4, h, w], `files.json` naming bucket/views/channels, the manifest's
+  `bucket`); the loop runs on it when this tree's `PhaseSet` reads buckets, else the result
+  says so (the bucketed PhaseSet and sampler come from issue 20's sampler work).
 Usage: python bench/train.py [--device cpu|cuda] [--size tiny|full] [--steps N] [--batch-size B]
+       [--train-time-captions] [--buckets]
 """
 
 from __future__ import annotations
@@ -71,40 +83,77 @@ def write_catalog(work: Path, size: str) -> str:
     return "bench"
 
 
+def tag_captions(num_rows: int, rng: np.random.Generator) -> list[list[str]]:
+    """Seed 002-style captions: a score tag, then 12-30 tags of a 3,000-tag vocabulary; one to
+    three captions per row."""
+    syllables = ["ka", "lo", "mi", "ra", "te", "su", "no", "vi", "pe", "zu", "ha", "do"]
+    vocab = [
+        " ".join(
+            "".join(rng.choice(syllables, rng.integers(2, 4))) for _ in range(rng.integers(1, 3))
+        )
+        for _ in range(3000)
+    ]
+    rows = []
+    for _ in range(num_rows):
+        options = []
+        for _ in range(rng.integers(1, 4)):
+            tags = rng.choice(vocab, rng.integers(12, 31), replace=False).tolist()
+            options.append(", ".join([f"scr{rng.choice([100, 200, 400, 800])}", *tags]))
+        rows.append(options)
+    return rows
+
+
 def write_data(
-    work: Path, *, num_rows: int, resolution: int
+    work: Path,
+    *,
+    num_rows: int,
+    resolution: int,
+    train_time_captions: bool = False,
+    plan=None,
 ) -> tuple[Path, list[bytes], list[str]]:
-    """A phase set in the mix stage's layout, and the JPEGs + captions the naive loop reads."""
+    """A phase set in the mix stage's layout, and the JPEGs + captions the naive loop reads.
+
+    `plan` (a `tasks.buckets.BucketPlan`): the bucketed layout, rows spread over the plan's
+    buckets nearest 1:1, 4:3, 3:4, 16:9 and 9:16."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import torch
     from PIL import Image
 
-    from sdtrain.models import tokenize
+    from tasks.tokenize import tokens_table
 
     phase = work / "phase"
     (phase / "latents").mkdir(parents=True)
     (phase / "tokens").mkdir()
     rng = np.random.default_rng(0)
     side = resolution // 8
-    latents = rng.standard_normal((num_rows, 4, side, side)).astype(np.float16)
-    np.save(phase / "latents" / "bench-00000.npy", latents)
-    captions = [f"a photo of object {i}" for i in range(num_rows)]
     keys = [f"bench/{i:06d}" for i in range(num_rows)]
-    ids = tokenize(captions).to(torch.int32)
-    pq.write_table(
-        pa.table({"key": keys, "input_ids": [r.tolist() for r in ids]}),
-        phase / "tokens" / "bench-00000.parquet",
-    )
-    manifest = {
-        "dataset": ["bench"] * num_rows,
-        "source": ["bench"] * num_rows,
-        "shard": ["00000"] * num_rows,
-        "latent_row": list(range(num_rows)),
-        "token_row": list(range(num_rows)),
-        "key": keys,
-    }
-    pq.write_table(pa.table(manifest), phase / "manifest.parquet")
+    if train_time_captions:
+        listed = tag_captions(num_rows, rng)
+        captions = [options[0] for options in listed]
+    else:
+        listed, captions = None, [f"a photo of object {i}" for i in range(num_rows)]
+    tokens = tokens_table(keys, captions)
+    if listed is not None:
+        tokens = tokens.append_column("captions", pa.array(listed, pa.list_(pa.string())))
+    pq.write_table(tokens, phase / "tokens" / "bench-00000.parquet")
+    if plan is not None:
+        write_buckets(phase, plan, num_rows, rng)
+    else:
+        latents = rng.standard_normal((num_rows, 4, side, side)).astype(np.float16)
+        np.save(phase / "latents" / "bench-00000.npy", latents)
+        manifest = {
+            "dataset": ["bench"] * num_rows,
+            "source": ["bench"] * num_rows,
+            "shard": ["00000"] * num_rows,
+            "latent_row": list(range(num_rows)),
+            "token_row": list(range(num_rows)),
+            "key": keys,
+        }
+        pq.write_table(pa.table(manifest), phase / "manifest.parquet")
+    if train_time_captions:
+        from sdtrain.captions import write_captions
+
+        write_captions(phase, root=work)
     images = []
     for _ in range(num_rows):
         pixels = rng.integers(0, 256, (resolution, resolution, 3), dtype=np.uint8)
@@ -112,6 +161,120 @@ def write_data(
         Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
         images.append(buffer.getvalue())
     return phase, images, captions
+
+
+def write_buckets(phase: Path, plan, num_rows: int, rng: np.random.Generator) -> None:
+    """The bucketed phase set of docs/training-data.md over `tokens/bench-00000.parquet`: a
+    latent file per bucket `bench-00000.<WxH>` fp16 [n, 1, 4, h/8, w/8], its tokens linked to
+    the shard's, rows by bucket (file, bucket row, token row), the manifest's `bucket`."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sdtrain import layout
+
+    aspects = np.array([1.0, 4 / 3, 3 / 4, 16 / 9, 9 / 16])
+    sizes = plan.sizes()
+    wanted = np.unique(plan.assign(aspects * 1000, np.full(len(aspects), 1000)))
+    bucket_of = wanted[rng.integers(len(wanted), size=num_rows)]
+    files, rows, entries = [], [], []
+    manifest = {k: [] for k in ("dataset", "source", "shard", "latent_row", "token_row", "key")}
+    manifest["bucket"] = []
+    for f, b in enumerate(wanted.tolist()):
+        w, h = sizes[b].tolist()
+        bucket = f"{w}x{h}"
+        token_rows = np.flatnonzero(bucket_of == b)
+        name = f"bench-00000.{bucket}"
+        latents = rng.standard_normal((len(token_rows), 1, 4, h // 8, w // 8)).astype(np.float16)
+        np.save(phase / "latents" / f"{name}.npy", latents)
+        (phase / "tokens" / f"{name}.parquet").symlink_to("bench-00000.parquet")
+        files.append(name)
+        rows.append(
+            np.stack([np.full(len(token_rows), f), np.arange(len(token_rows)), token_rows], 1)
+        )
+        entries.append({"bucket": bucket, "views": 1, "channels": 4})
+        manifest["dataset"] += ["bench"] * len(token_rows)
+        manifest["source"] += ["bench"] * len(token_rows)
+        manifest["shard"] += ["00000"] * len(token_rows)
+        manifest["latent_row"] += list(range(len(token_rows)))
+        manifest["token_row"] += token_rows.tolist()
+        manifest["key"] += [f"bench/{i:06d}" for i in token_rows.tolist()]
+        manifest["bucket"] += [bucket] * len(token_rows)
+    pq.write_table(pa.table(manifest), phase / layout.MANIFEST)
+    rows = np.concatenate(rows).astype(np.int32)
+    layout.write_index(phase, files, rows)
+    meta = json.loads((phase / layout.FILES).read_text())
+    for entry, extra in zip(meta["files"], entries, strict=True):
+        entry.update(extra)
+    (phase / layout.FILES).write_text(json.dumps(meta))
+
+
+def reads_buckets() -> bool:
+    """Whether this tree's PhaseSet reads a bucketed phase set (issue 20's sampler work)."""
+    from sdtrain.data import PhaseSet
+
+    return hasattr(PhaseSet, "bucketed")
+
+
+def bench_captions(args, phase: Path, step_s: float) -> dict:
+    """The loader's seconds per batch with stored ids and with train-time captions, over the
+    epoch's first batches in a seeded order, and the share of a step the captions would add.
+
+    `step_s`: the measured seconds of a step without data wait. Train-time tokenization runs
+    in the loader (num_workers 0: on the training thread), so its time is added to each step.
+    """
+    import torch
+
+    from sdtrain.captions import CaptionSettings, TrainTimeCaptions
+    from sdtrain.data import PhaseSet
+
+    data = PhaseSet(phase)
+    settings = CaptionSettings(shuffle_tags_p=0.5, keep_tokens=1, tag_dropout=0.1)
+    captions = TrainTimeCaptions(phase, settings, seed=0)
+    order = np.random.default_rng(0).permutation(len(data))
+    batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
+    batches = [b for b in batches if len(b) == args.batch_size] or [order]
+    captions.ids_batch(batches[0], 0)  # the tokenizer is built once per process, not timed
+
+    def items(rows) -> list:
+        return [data[int(r)] for r in rows]
+
+    def stored(rows, epoch):
+        got = items(rows)
+        return torch.stack([x[0] for x in got]), torch.stack([x[1] for x in got])
+
+    def collate(rows, epoch):  # the whole batch tokenized at once (the contract's collate)
+        latents = torch.stack([x[0] for x in items(rows)])
+        return latents, torch.from_numpy(captions.ids_batch(rows, epoch).astype(np.int64))
+
+    def per_item(rows, epoch):  # as a dataset's token_ids(row, epoch) would call it
+        got = items(rows)
+        ids = [torch.from_numpy(captions.ids(int(r), epoch).astype(np.int64)) for r in rows]
+        return torch.stack([x[0] for x in got]), torch.stack(ids)
+
+    timings = {}
+    for name, load in (("stored", stored), ("collate", collate), ("per_item", per_item)):
+        best = float("inf")
+        for repeat in range(args.repeats):
+            started = time.perf_counter()
+            for epoch, rows in enumerate(batches):
+                load(rows, epoch + repeat)
+            best = min(best, (time.perf_counter() - started) / len(batches))
+        timings[name] = best
+    extra = timings["collate"] - timings["stored"]
+    return {
+        "caption_settings": {
+            "shuffle_tags_p": settings.shuffle_tags_p,
+            "keep_tokens": settings.keep_tokens,
+            "tag_dropout": settings.tag_dropout,
+        },
+        "data_ms_per_batch_stored_ids": 1e3 * timings["stored"],
+        "data_ms_per_batch_train_time_captions": 1e3 * timings["collate"],
+        "data_ms_per_batch_train_time_captions_per_item": 1e3 * timings["per_item"],
+        "train_time_captions_per_s": args.batch_size / max(extra, 1e-9),
+        "train_time_captions_step_share": max(extra, 0.0) / (step_s + max(extra, 0.0)),
+    }
 
 
 def steady_rates(records: list[dict], *, global_batch: int, log_every: int) -> tuple[float, float]:
@@ -285,6 +448,14 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--peak-flops", type=float, default=DENSE_BF16_PEAK_FLOPS)
+    parser.add_argument(
+        "--train-time-captions",
+        action="store_true",
+        help="tag captions + captions.arrow; time the loader with train-time tokenization",
+    )
+    parser.add_argument(
+        "--buckets", action="store_true", help="a bucketed phase set (the model's bucket plan)"
+    )
     args = parser.parse_args()
     args.batch_size = args.batch_size or (8 if args.size == "tiny" else 24)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -297,14 +468,38 @@ def main() -> None:
     try:
         model = write_catalog(work, args.size)
         resolution = 64 if args.size == "tiny" else 512
+        plan = None
+        if args.buckets:
+            from tasks.buckets import BucketPlan
+
+            # The tiny model's UNet halves its latents once: sides of 16 px (2 latent px).
+            plan = (
+                BucketPlan(area=64 * 64, step=16, min_side=32, max_side=128)
+                if args.size == "tiny"
+                else BucketPlan()
+            )
         phase, images, captions = write_data(
-            work, num_rows=args.steps * args.batch_size, resolution=resolution
+            work,
+            num_rows=args.steps * args.batch_size,
+            resolution=resolution,
+            train_time_captions=args.train_time_captions,
+            plan=plan,
         )
+        issue_20 = {}
+        runs_loop = not args.buckets or reads_buckets()
+        if not runs_loop:
+            issue_20["buckets"] = (
+                "not run: this tree's sdtrain.data.PhaseSet does not read a bucketed phase set "
+                "(the bucketed PhaseSet and BucketBatchSampler are not merged here)"
+            )
         sdpipe_runs, naive_runs = [], []
-        for i in range(args.repeats):
+        for i in range(args.repeats if runs_loop else 0):
             sdpipe_runs.append(bench_sdpipe(args, model, phase, work / f"run-{i}"))
             if not args.skip_naive:
                 naive_runs.append(bench_naive(args, model, images, captions))
+        if not sdpipe_runs:
+            print(json.dumps({"bench": "train", **issue_20}))
+            return
         result = {
             "bench": "train",
             "device": args.device,
@@ -316,6 +511,14 @@ def main() -> None:
             **max(sdpipe_runs, key=lambda r: r["samples_per_s"]),
             "samples_per_s_runs": [round(r["samples_per_s"], 1) for r in sdpipe_runs],
         }
+        if args.train_time_captions:
+            step_s = args.batch_size / result["samples_per_s"] * (1 - result["data_wait_fraction"])
+            issue_20.update(bench_captions(args, phase, step_s))
+        if args.buckets:
+            issue_20["buckets"] = sorted(
+                p.stem.split(".", 1)[1] for p in (phase / "latents").glob("*.npy")
+            )
+        result.update(issue_20)
         if naive_runs:
             result["naive_samples_per_s"] = max(naive_runs)
             result["naive_samples_per_s_runs"] = [round(r, 1) for r in naive_runs]

@@ -371,6 +371,7 @@ def _check_references(c: Catalog) -> None:
             value = getattr(p, fld)
             if value is not None and value < low:
                 raise CatalogError(f"{where}.{fld}: must be >= {low}, got {value!r}")
+        _check_caption_settings(p, where)
     for f in c.finetunes.values():
         check_finetune(f, d / "finetunes.yaml")
     for e in c.evals.values():
@@ -485,6 +486,32 @@ def check_finetune(f: Finetune, path: Path) -> None:
         raise CatalogError(f"{where}.num_demo_images: must be >= 1, got {f.num_demo_images!r}")
 
 
+# A phase's caption augmentation (field -> its off value): each needs train_time_captions.
+CAPTION_AUGMENTATION = {
+    "shuffle_tags_p": 0.0,
+    "keep_tokens": 0,
+    "tag_separator": ", ",
+    "tag_dropout": 0.0,
+}
+
+
+def _check_caption_settings(p: Phase, where: str) -> None:
+    for fld in ("shuffle_tags_p", "tag_dropout"):
+        if not 0 <= getattr(p, fld) <= 1:
+            raise CatalogError(f"{where}.{fld}: must be within [0, 1], got {getattr(p, fld)!r}")
+    if p.keep_tokens < 0:
+        raise CatalogError(f"{where}.keep_tokens: must be >= 0, got {p.keep_tokens!r}")
+    if not p.tag_separator:
+        raise CatalogError(f"{where}.tag_separator: must not be empty")
+    if not p.train_time_captions:
+        for fld, off in CAPTION_AUGMENTATION.items():
+            if getattr(p, fld) != off:
+                raise CatalogError(
+                    f"{where}.{fld}: caption augmentation needs train_time_captions: true "
+                    f"(the stored token ids are fixed), got {getattr(p, fld)!r}"
+                )
+
+
 def _check_profile(pr: FilterProfile, path: Path) -> None:
     where = f"{path}: {pr.name}"
     for level in pr.dedup:
@@ -511,3 +538,11 @@ def _check_profile(pr: FilterProfile, path: Path) -> None:
     for fld in ("min_side", "min_caption_words"):
         if getattr(pr, fld) < 0:
             raise CatalogError(f"{where}.{fld}: must be >= 0, got {getattr(pr, fld)!r}")
+    for tag, bonus in pr.tag_bonus_scores.items():
+        if isinstance(bonus, bool) or not isinstance(bonus, int | float):
+            raise CatalogError(f"{where}.tag_bonus_scores.{tag}: expected a number, got {bonus!r}")
+    if any(a <= b for a, b in zip(pr.score_tags[:-1], pr.score_tags[1:], strict=True)):
+        raise CatalogError(
+            f"{where}.score_tags: thresholds highest first, each lower than the one before, "
+            f"got {list(pr.score_tags)}"
+        )

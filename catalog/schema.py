@@ -70,12 +70,18 @@ class FilterProfile:
     # Tagged local folders (JSON metadata with `tags` and `score`, as in seed 002): an image with
     # any of `exclude_tags` is dropped (`excluded_tag`); `remove_tags` are left out of the
     # caption; `tag_replacements` rewrite substrings of each tag (in order); the caption is the
-    # tags joined by `tag_separator`; a score under `min_score` is dropped (`min_score`).
+    # tags joined by `tag_separator`; a raw score under `abs_min_score` is dropped
+    # (`abs_min_score`); the score plus `tag_bonus_scores` (tag -> bonus, each of its tags once)
+    # under `min_score` is dropped (`min_score`); `score_tags` (thresholds, highest first): the
+    # first one the raw score exceeds puts `scr<threshold>` first in the caption.
     exclude_tags: tuple[str, ...] = ()
     remove_tags: tuple[str, ...] = ()
     tag_replacements: dict = field(default_factory=dict)
     tag_separator: str = ", "
     min_score: float | None = None
+    abs_min_score: float | None = None
+    tag_bonus_scores: dict = field(default_factory=dict)
+    score_tags: tuple[float, ...] = ()
     # Scoring models (models.yaml, kind: scoring) that score a source built at this profile
     # from its pixels, in a score stage after fetch-images; "": the source is not scored.
     scorer: str = ""
@@ -146,6 +152,16 @@ class Phase:
     sample_every: int | None = None
     # The eval set (eval.yaml) the phase is evaluated on after training; "": not evaluated.
     eval_set: str = "default"
+    # Captions at train time (docs/training-data.md): mix writes `captions.arrow` and the loader
+    # tokenizes each batch, drawn per (seed, epoch, row): one caption of several; with
+    # probability `shuffle_tags_p` the tags (split on `tag_separator`) after the first
+    # `keep_tokens` are shuffled; each of those is dropped with probability `tag_dropout`.
+    # The augmentation settings need `train_time_captions: true`.
+    train_time_captions: bool = False
+    shuffle_tags_p: float = 0.0
+    keep_tokens: int = 0
+    tag_separator: str = ", "
+    tag_dropout: float = 0.0
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -118,6 +118,16 @@ class TrainConfig:
     guidance_scale: float = 7.5
     wandb_project: str = ""  # log to Weights & Biases too (needs `pip install wandb`)
 
+    # Captions at train time (sdtrain.captions; the catalog phase's fields of the same names):
+    # captions.arrow tokenized per batch instead of the stored ids, one caption drawn of several
+    # and its tags after the first `keep_tokens` shuffled (probability `shuffle_tags_p`) and
+    # each dropped (probability `tag_dropout`), per (seed, epoch, row).
+    train_time_captions: bool = False
+    shuffle_tags_p: float = 0.0
+    keep_tokens: int = 0
+    tag_separator: str = ", "
+    tag_dropout: float = 0.0
+
     finetune: FinetuneSettings | None = None  # a fine-tune's mode; None: a curriculum phase
 
     def to_json(self, path: str | Path) -> None:
@@ -151,6 +161,15 @@ PHASE_OVERRIDES = (
     "log_every",
     "sample_every",
 )
+# Catalog phase fields copied into the run config as they are (the phase's defaults are the
+# run config's).
+CAPTION_SETTINGS = (
+    "train_time_captions",
+    "shuffle_tags_p",
+    "keep_tokens",
+    "tag_separator",
+    "tag_dropout",
+)
 
 
 def run_config_for_phase(
@@ -160,6 +179,7 @@ def run_config_for_phase(
     overrides = {f: getattr(phase, f) for f in PHASE_OVERRIDES if getattr(phase, f) is not None}
     if phase.sample_prompts:
         overrides["sample_prompts"] = phase.sample_prompts
+    overrides.update({f: getattr(phase, f) for f in CAPTION_SETTINGS})
     return TrainConfig(
         phase=phase.name,
         phase_dir=str(phase_dir),

@@ -459,7 +459,13 @@ def check_profile(root: Path, source: str, stage: str, profile: FilterProfile) -
     now = profile_settings(profile)
     if built is None or built == now:
         return
+    # A setting added to profiles since the unit was built reads as its default there (a new
+    # field must not refuse every data root built before it).
+    defaults = profile_settings(FilterProfile(name=profile.name))
+    built = defaults | built
     changed = sorted(k for k in built.keys() | now.keys() if built.get(k) != now.get(k))
+    if not changed:
+        return
     diff = "; ".join(f"{k}: {built.get(k)!r} -> {now.get(k)!r}" for k in changed)
     after = ", ".join(BUILT_AFTER[stage])
     raise ProfileChanged(

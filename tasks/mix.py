@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from catalog import Catalog, Phase
-from sdtrain import layout
+from sdtrain import captions, layout
 from tasks import latent_keys, views
 from tasks.shards import TMP_MARK, clean_temporaries, replace_dir
 
@@ -313,6 +313,8 @@ def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
         layout.write_rows(tmp, rows)
         _link_files(root, tmp, files)
     layout.write_files(tmp, [name for name, _, _ in files], rows)
+    if phase.train_time_captions:  # the text the loader tokenizes (sdtrain.captions)
+        captions.write_captions(tmp, ([name for name, _, _ in files], rows), root)
     summary = {
         "phase": phase.name,
         "seed": phase.seed,

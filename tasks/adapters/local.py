@@ -4,8 +4,15 @@
 - JSON metadata as in seed 002: `{"tags": [...], "score": 123, "path": "a/b/cat.jpg"}`, either
   beside the image with the same stem or anywhere with `path` (or `file`/`image`) relative to
   the folder. The caption is the tags, filtered and rewritten by the profile's tag settings
-  (`exclude_tags`, `remove_tags`, `tag_replacements`, `tag_separator`, `min_score`); a
-  `caption` key, when there are no tags, is used as is.
+  (`exclude_tags`, `remove_tags`, `tag_replacements`, `tag_separator`); a `caption` key, when
+  there are no tags, is used as is.
+
+Scores, in this order (seed 002's metadata dataloader): an image with an excluded tag is
+dropped (`excluded_tag`); a raw score under `abs_min_score` is dropped (`abs_min_score`),
+before any bonus; the score plus the `tag_bonus_scores` of its tags (each tag once) under
+`min_score` is dropped (`min_score`); a missing score fails either rule. `score_tags`
+(thresholds, highest first): the first one the raw score strictly exceeds puts the tag
+`scr<threshold>` first in the caption (`scr3200`), so a phase's `keep_tokens: 1` keeps it there.
 """
 
 from __future__ import annotations
@@ -75,8 +82,12 @@ class LocalFolder(Adapter):
         score = float(score) if isinstance(score, int | float) else None
         if set(tags) & set(p.exclude_tags):
             return Refused(image, "excluded_tag")
-        if p.min_score is not None and (score is None or score < p.min_score):
-            return Refused(image, "min_score")
+        if p.abs_min_score is not None and (score is None or score < p.abs_min_score):
+            return Refused(image, "abs_min_score")
+        if p.min_score is not None:
+            bonus = sum(p.tag_bonus_scores.get(t, 0) for t in set(tags))
+            if score is None or score + bonus < p.min_score:
+                return Refused(image, "min_score")
         kept = []
         for tag in tags:
             if tag in p.remove_tags:
@@ -85,4 +96,17 @@ class LocalFolder(Adapter):
                 tag = tag.replace(old, new)
             kept.append(tag)
         caption = p.tag_separator.join(kept) if tags else meta.get("caption")
+        tag = score_tag(score, p.score_tags)
+        if tag is not None:
+            caption = tag if not caption else f"{tag}{p.tag_separator}{caption}"
         return Entry(image, caption, {"score": score, "tags": tags})
+
+
+def score_tag(score: float | None, thresholds: tuple[float, ...]) -> str | None:
+    """`scr<t>` for the first threshold t (highest first) the raw score strictly exceeds."""
+    if score is None:
+        return None
+    for t in thresholds:
+        if score > t:
+            return f"scr{int(t) if float(t).is_integer() else t}"
+    return None

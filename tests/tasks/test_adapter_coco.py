@@ -310,6 +310,11 @@ def test_index_repack_tokenize(tmp_path, remote):
         ids = pq.read_table(root / "coco" / "tokens" / f"{shard}.parquet")
         assert ids["key"].to_pylist() == kept["key"].to_pylist()
         assert all(len(x) == 77 for x in ids["input_ids"].to_pylist())
+        # Every caption of an image reaches the tokens file, for train-time captions.
+        assert ids["captions"].to_pylist() == [
+            [c.strip() for c in cs if c and c.strip()] for cs in kept["captions"].to_pylist()
+        ]
+        assert ids["caption"].to_pylist() == [cs[0] for cs in ids["captions"].to_pylist()]
     assert (
         bad.files_outside(
             root, tmp_path / "train2017.zip", tmp_path / "annotations_trainval2017.zip"

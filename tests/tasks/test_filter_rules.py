@@ -237,6 +237,21 @@ def test_a_record_from_before_profiles_were_recorded_is_accepted(tmp_path):
     assert filter_stage.filter_metadata(tmp_path, SOURCE, looser, 100).skipped
 
 
+def test_a_record_from_before_a_profile_field_existed_reads_it_as_its_default(tmp_path):
+    # score_tags and tag_bonus_scores came after data roots were built: a record without them
+    # is the same settings, not an edit (else every older data root would be refused).
+    run_filter(tmp_path, [row("a")])
+    record = tmp_path / SOURCE / "filtered" / f"{filter_stage.ALL}.stats.json"
+    stats = json.loads(record.read_text())
+    for added in ("score_tags", "tag_bonus_scores", "abs_min_score"):
+        del stats["extra"]["profile_settings"][added]
+    record.write_text(json.dumps(stats))
+    assert filter_stage.filter_metadata(tmp_path, SOURCE, PROFILE, 100).skipped
+    tagged = dataclasses.replace(PROFILE, score_tags=(100.0, 50.0))
+    with pytest.raises(filter_stage.ProfileChanged, match=r"score_tags: \[\] -> \[100.0, 50.0\]"):
+        filter_stage.filter_metadata(tmp_path, SOURCE, tagged, 100)
+
+
 def test_metadata_files_with_other_columns_are_read_by_name(tmp_path):
     # A source's metadata written by two versions (an extra column, another column order) is
     # one relation, matched by name; a file lacking the extra column reads it as null.

@@ -340,3 +340,35 @@ def test_tokenize_shard_with_no_captions_writes_an_empty_table(tmp_path):
     table = pq.read_table(tmp_path / "src" / "tokens" / "00000.parquet")
     assert (stats.num_in, stats.num_out, table.num_rows) == (0, 0, 0)
     assert table.schema.field("input_ids").type == pa.list_(pa.int32(), LENGTH)
+
+
+def test_tokens_keep_the_cleaned_caption_and_the_sample_tables_captions(tmp_path):
+    """Train-time captions read the text back from the tokens file: `caption` always, and
+    `captions` (cleaned, in order) where the shard's sample table lists several (COCO)."""
+    write_selected(tmp_path, "src", ["k0", "k1", "k2", "k3"], pa.array([" a", "", "b ", "c"]))
+    stats = tokenize_shard(tmp_path, "src", "00000")
+    table = pq.read_table(tmp_path / "src" / "tokens" / "00000.parquet")
+    assert table.column_names == ["key", "input_ids", "caption"]
+    assert table["caption"].to_pylist() == ["a", "b", "c"]
+    assert table["input_ids"].to_pylist() == ids_of(["a", "b", "c"]).tolist()
+    assert stats.dropped == {"empty_caption": 1}
+
+    shards = tmp_path / "coco" / "shards"
+    shards.mkdir(parents=True)
+    pq.write_table(
+        pa.table(
+            {
+                "key": ["k2", "k0", "k1", "k3"],  # another order: joined by key
+                "caption": ["b", "a", "", "c"],
+                "captions": [["b ", "b2", "  "], [" a", None, "a2"], [""], None],
+            }
+        ),
+        shards / "00000.parquet",
+    )
+    write_selected(tmp_path, "coco", ["k0", "k1", "k2", "k3"], pa.array([" a", "", "b ", "c"]))
+    tokenize_shard(tmp_path, "coco", "00000")
+    table = pq.read_table(tmp_path / "coco" / "tokens" / "00000.parquet")
+    assert table.column_names == ["key", "input_ids", "caption", "captions"]
+    assert table["captions"].to_pylist() == [["a", "a2"], ["b", "b2"], ["c"]]  # k3: none listed
+    ids = np.load(tmp_path / "coco" / "tokens" / "00000.npy")
+    assert ids.tolist() == ids_of(["a", "b", "c"]).tolist()  # the .npy as before
