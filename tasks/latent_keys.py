@@ -14,6 +14,7 @@ time), so an older data root mixes without re-encoding.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -108,7 +109,9 @@ def read(root: Path, source: str, shard: str, record: ShardStats | None = None) 
 def tokens_unchanged(root: Path, source: str, shard: str, table: pa.Table) -> bool:
     """True when the tokens file is the one the keys file was written against (size, mtime)."""
     recorded = table.schema.metadata or {}
-    return bool(recorded) and recorded == _identity(tokens_path(root, source, shard))
+    identity = _identity(tokens_path(root, source, shard))
+    # Only the identity's own entries: the metadata also holds the latent spec of a bucketed shard.
+    return bool(identity) and all(recorded.get(k) == v for k, v in identity.items())
 
 
 def tokens_match(root: Path, source: str, shard: str, table: pa.Table) -> bool:
@@ -140,3 +143,16 @@ def sample(
         key = read(root, source, record.shard, record)["key"][row].as_py()
         picked.append((record.shard, row, key))
     return picked
+
+
+SPEC = b"latent_spec"
+
+
+def spec(table: pa.Table) -> dict | None:
+    """The latent spec of a keys file encoded in buckets (`{"vae", "plan", "views", "channels"}`,
+    its schema metadata `latent_spec`), or None for a legacy shard (no `bucket` column: one
+    `NNNNN.npy` [N, 4, h, w]). A bucketed file without one is read as 1 view of 4 channels."""
+    if "bucket" not in table.column_names:
+        return None
+    recorded = (table.schema.metadata or {}).get(SPEC)
+    return json.loads(recorded) if recorded else {"views": 1, "channels": 4}
