@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 MANIFEST = "manifest.parquet"
+BUCKET_FILE = re.compile(r"\.(\d+x\d+)$")  # `<source>-<shard>.<WxH>`: a bucket's file
 ROWS = "rows.npy"
 FILES = "files.json"
 
@@ -267,16 +269,25 @@ def latent_layout(path: Path) -> tuple[str, int, int]:
 
 
 def with_file_fields(folder: Path, files: list[dict]) -> list[dict]:
-    """The file entries with `bucket`, `views`, `channels`: an entry written without them (a
-    legacy set) gets them from its latents' header (views 1, channels 4 when it has none)."""
+    """The file entries with `bucket`, `views`, `channels`: an entry written without them gets
+    them from its latents' header. The legacy files of a set (`<source>-<shard>`) are of one
+    shape, as the trainer has always read them: the first one's header stands for all (a set of
+    10,000 opens without reading 10,000 headers); a bucket's file (a derived index) is read."""
+    legacy: tuple[str, int, int] | None = None
     out = []
     for entry in files:
         if "bucket" not in entry:
-            try:
-                bucket, views, channels = latent_layout(folder / "latents" / f"{entry['name']}.npy")
-            except FileNotFoundError:  # the set's reader names a missing file when it maps it
-                bucket, views, channels = "", 1, 4
-            entry = {**entry, "bucket": bucket, "views": views, "channels": channels}
+            name = entry["name"]
+            if BUCKET_FILE.search(name) or legacy is None:
+                try:
+                    fields = latent_layout(folder / "latents" / f"{name}.npy")
+                except FileNotFoundError:  # the set's reader names a missing file when it maps it
+                    fields = (BUCKET_FILE.search(name) or [None, ""])[1], 1, 4
+                if not BUCKET_FILE.search(name):
+                    legacy = fields
+            else:
+                fields = legacy
+            entry = {**entry, **dict(zip(("bucket", "views", "channels"), fields, strict=True))}
         out.append(entry)
     return out
 
