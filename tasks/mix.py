@@ -15,7 +15,9 @@ trainer's ranks share (`sdtrain.layout`).
 
 A shard encoded in aspect buckets (docs/training-data.md, "Latents on disk") is a file of the
 phase set per bucket: `<source>-<shard>.<WxH>`, its rows' latent row the keys file's
-`bucket_row`; the manifest then has a `bucket` column ("" on the rows of legacy shards, whose
+`bucket_row`, its drawn rows in the manifest by bucket (in the order of the shard's bucket
+column's dictionary), each bucket's in keys order: a file's rows are one run of the index, read
+front to back. The manifest then has a `bucket` column ("" on the rows of legacy shards, whose
 file stays `<source>-<shard>`) and `files.json` each file's `bucket`, `views`, `channels`. All
 shards of a dataset share one latent spec (else MixError naming them); datasets of one phase may
 differ in views and channels (say, one source samples latents), which each file records.
@@ -59,6 +61,8 @@ class EncodedShard:
         self.spec = latent_keys.spec(keys)  # None: legacy (one `<shard>.npy`, row = keys row)
         self._buckets: tuple[list[str], np.ndarray] | None = None
         self._legacy: tuple[str, int, int] | None = None
+        if self.spec is not None:
+            self._views_channels = int(self.spec.get("views", 1)), int(self.spec.get("channels", 4))
 
     @property
     def bucketed(self) -> bool:
@@ -89,6 +93,12 @@ class EncodedShard:
                 raise MixError(f"{self.source}/{self.name}: {path} is missing") from e
         return self._legacy
 
+    def views_channels(self) -> tuple[int, int]:
+        """(views, channels) of each latent of the shard (its spec; a legacy shard's header)."""
+        if self.spec is None:
+            return self.legacy_layout()[1:]
+        return self._views_channels
+
     def label(self) -> str:
         """The shard's latent spec in words (error messages)."""
         if self.spec is None:
@@ -106,8 +116,7 @@ class EncodedShard:
             )  # fmt: skip
         return FileEntry(
             layout.file_name(self.source, self.name, bucket), self.source, self.name,
-            f"{self.name}.{bucket}.npy", bucket,
-            int(self.spec.get("views", 1)), int(self.spec.get("channels", 4)),
+            f"{self.name}.{bucket}.npy", bucket, *self.views_channels(),
         )  # fmt: skip
 
 
@@ -159,6 +168,11 @@ def _tokens_differ(root: Path, source: str, shard: str, table: pa.Table) -> bool
     if latent_keys.tokens_unchanged(root, source, shard, table):
         return False
     return not latent_keys.tokens_match(root, source, shard, table)
+
+
+def _small(codes: np.ndarray, num_values: int) -> np.ndarray:
+    """Codes as int16 where they fit: numpy's stable sort of 16-bit ints is a radix sort."""
+    return codes.astype(np.int16) if num_values <= np.iinfo(np.int16).max else codes
 
 
 def _dictionary(codes: np.ndarray, values: list[str]) -> pa.DictionaryArray:
@@ -251,22 +265,26 @@ class EncodedView:
         picked, pieces, num_picked = [], [], 0
         for shard, take in self._taken(mask):
             rows = np.flatnonzero(take)
-            chosen = keys = shard.keys.filter(take)
-            token_rows = keys["token_row"].to_numpy()
             if shard.bucketed:
                 names, codes = shard.buckets()
                 codes = codes[rows]
-                # The shard's files: the buckets its drawn rows are in, numbered from 0.
-                present = np.flatnonzero(np.bincount(codes, minlength=len(names)))
-                renumber = np.zeros(len(names), np.int32)
-                renumber[present] = np.arange(len(present), dtype=np.int32)
+                by_bucket = np.argsort(_small(codes, len(names)), kind="stable")
+                rows, codes = rows[by_bucket], codes[by_bucket]
+                keys = shard.keys.take(rows)
+                # The shard's files: the buckets its drawn rows are in, each one run of rows.
+                counts = np.bincount(codes, minlength=len(names))
+                present = np.flatnonzero(counts)
                 files = [shard.file(names[b], True) for b in present.tolist()]
+                file_of_row = np.repeat(np.arange(len(present), dtype=np.int32), counts[present])
                 latent_rows = pc.cast(keys["bucket_row"], pa.int64()).to_numpy()
-                pieces.append((files, renumber[codes], latent_rows, token_rows))
-                picked.append(_Drawn(shard.name, latent_rows, chosen, names, codes))
+                token_rows = keys["token_row"].to_numpy()
+                pieces.append((files, file_of_row, latent_rows, token_rows))
+                picked.append(_Drawn(shard.name, latent_rows, keys, names, codes))
             else:
+                keys = shard.keys.filter(take)
+                token_rows = keys["token_row"].to_numpy()
                 pieces.append(([shard.file(None, buckets)], None, rows, token_rows))
-                picked.append(_Drawn(shard.name, rows, chosen, [""], np.zeros(len(rows), np.int32)))
+                picked.append(_Drawn(shard.name, rows, keys, [""], np.zeros(len(rows), np.int32)))
             num_picked += len(rows)
             if num_picked >= BATCH_ROWS:
                 yield _samples(self.source, picked, self.dataset, buckets), pieces
@@ -276,11 +294,13 @@ class EncodedView:
 
     def drawn_buckets(self, mask: np.ndarray) -> Iterator[tuple[list[str], np.ndarray]]:
         """(bucket names, int32 code of each drawn row) of each shard with rows where `mask` is
-        true, in manifest order: a legacy shard's rows are all in the square of its latents."""
+        true, in manifest order (by bucket, as `drawn`): a legacy shard's rows are all in the
+        square of its latents."""
         for shard, take in self._taken(mask):
             if shard.bucketed:
                 names, codes = shard.buckets()
-                yield names, codes[take]
+                counts = np.bincount(codes[take], minlength=len(names))
+                yield names, np.repeat(np.arange(len(names), dtype=np.int32), counts)
             else:
                 yield [shard.legacy_layout()[0]], np.zeros(int(np.count_nonzero(take)), np.int32)
 
@@ -288,13 +308,8 @@ class EncodedView:
         """Per bucket this view's shards have, (views, channels) of its latents."""
         found = {}
         for shard, _ in self.parts:
-            if shard.bucketed:
-                entry = shard.file("", True)
-                for name in shard.buckets()[0]:
-                    found[name] = (entry.views, entry.channels)
-            else:
-                bucket, views, channels = shard.legacy_layout()
-                found[bucket] = (views, channels)
+            names = shard.buckets()[0] if shard.bucketed else [shard.legacy_layout()[0]]
+            found |= dict.fromkeys(names, shard.views_channels())
         return found
 
     def filter(self, mask) -> pa.Table:
@@ -605,12 +620,13 @@ def _link_files(root: Path, folder: Path, files: list[FileEntry]) -> None:
     """Relative links (the data root stays movable) to each file's latents and tokens (the
     bucket files of one shard link its one tokens file each)."""
     has_ids: dict[tuple[str, str], bool] = {}
+    latents, tokens = f"{folder}/latents", f"{folder}/tokens"  # strings: 3 links per file
     for f in files:
-        up = Path("../../..") / f.source
-        (folder / "latents" / f"{f.name}.npy").symlink_to(up / "latents" / f.latent)
-        (folder / "tokens" / f"{f.name}.parquet").symlink_to(up / "tokens" / f"{f.shard}.parquet")
+        up = f"../../../{f.source}"
+        os.symlink(f"{up}/latents/{f.latent}", f"{latents}/{f.name}.npy")
+        os.symlink(f"{up}/tokens/{f.shard}.parquet", f"{tokens}/{f.name}.parquet")
         pair = (f.source, f.shard)
         if pair not in has_ids:
-            has_ids[pair] = (root / f.source / "tokens" / f"{f.shard}.npy").exists()
+            has_ids[pair] = os.path.exists(f"{root}/{f.source}/tokens/{f.shard}.npy")
         if has_ids[pair]:
-            (folder / "tokens" / f"{f.name}.npy").symlink_to(up / "tokens" / f"{f.shard}.npy")
+            os.symlink(f"{up}/tokens/{f.shard}.npy", f"{tokens}/{f.name}.npy")

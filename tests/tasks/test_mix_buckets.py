@@ -146,6 +146,8 @@ def test_a_bucketed_shard_is_a_file_per_bucket_whose_rows_read_their_keys(bucket
         assert np.all(latent == row[2])  # the latent of this key: its token row's number
         token_keys = pq.read_table(root / "a" / "tokens" / f"{m['shard']}.parquet")["key"]
         assert token_keys[row[2]].as_py() == m["key"] and row[2] == m["token_row"]
+    # A shard's drawn rows come by bucket: each file is one run of the index.
+    assert np.count_nonzero(np.diff(rows[:, 0])) + 1 == len(files)
     for f, latent_rows, token_rows in zip(
         files, *layout.needed_rows(rows, len(files)), strict=True
     ):
