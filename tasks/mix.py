@@ -71,6 +71,16 @@ class EncodedShard:
     def buckets(self) -> tuple[list[str], np.ndarray]:
         """(bucket names, int32 bucket code of each keys row), from the column's dictionary."""
         if self._buckets is None:
+            names = self.keys.column_names
+            missing = [
+                c for c in ("bucket", "bucket_row") if c not in names or self.keys[c].null_count
+            ]
+            if missing:
+                raise MixError(
+                    f"{self.source}/{self.name}: its keys file has buckets but its "
+                    f"{' and '.join(missing)} is missing (on some rows); encode the shard again "
+                    f"(remove {self.source}/latents/{self.name}{RECORD})"
+                )
             column = self.keys["bucket"]
             if not pa.types.is_dictionary(column.type):
                 column = pc.dictionary_encode(column)

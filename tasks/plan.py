@@ -224,6 +224,8 @@ def format_plan(plan: dict) -> str:
 
 def _format_buckets(plan: dict) -> list[str]:
     """The bucket occupancy table, and the buckets left out of the run."""
+    if not plan["buckets"]:
+        return ["buckets: none (nothing drawn)"]
     if not plan["bucketed_sampler"]:
         names = ", ".join(b["bucket"] for b in plan["buckets"])
         return [

@@ -318,3 +318,17 @@ def test_plan_of_one_square_bucket_counts_as_the_plain_sampler(bucketed_root):
     assert not report["bucketed_sampler"] and report["batches_per_rank"] == 2
     assert report["steps"] == 4 and report["left_out"]["small_bucket"]["buckets"] == []
     assert "buckets: 16x16 (one bucket, no flips" in plan.format_plan(report)
+
+
+def test_a_keys_file_with_buckets_but_missing_bucket_rows_fails_naming_the_shard(
+    tmp_path, monkeypatch
+):
+    keys = bucketed_source(tmp_path, "a", {"00000": ["16x16"] * 4})
+    path = latent_keys.path(tmp_path, "a", "00000")
+    table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    at = table.schema.get_field_index("bucket_row")
+    table = table.set_column(at, "bucket_row", pa.array([0, None, 2, 3], pa.int32()))
+    latent_keys.write_table(path, table)
+    plant_views(monkeypatch, {"a": every_key(keys)})
+    with pytest.raises(mix.MixError, match=r"a/00000: .* its bucket_row is missing .*00000.stats"):
+        mix.build_phase_set(tmp_path, catalog(tmp_path), phase(MixEntry(dataset="a", count=4)))
