@@ -332,3 +332,22 @@ def test_a_keys_file_with_buckets_but_missing_bucket_rows_fails_naming_the_shard
     plant_views(monkeypatch, {"a": every_key(keys)})
     with pytest.raises(mix.MixError, match=r"a/00000: .* its bucket_row is missing .*00000.stats"):
         mix.build_phase_set(tmp_path, catalog(tmp_path), phase(MixEntry(dataset="a", count=4)))
+
+
+def test_sdpipe_plan_prints_the_occupancy_per_rank(tmp_path, monkeypatch, capsys):
+    from flows import cli
+
+    buckets = ["16x16"] * 19 + ["24x16"] * 3
+    keys = bucketed_source(tmp_path, "a", {"00000": buckets})
+    plant_views(monkeypatch, {"a": every_key(keys)})
+    p = phase(MixEntry(dataset="a", count=22), num_val_samples=0, epochs=1)
+    monkeypatch.setattr(cli, "load_catalog", lambda: catalog(tmp_path, p1=p))
+    assert cli.main(["--data-root", str(tmp_path), "plan", "p1", "--ranks", "2"]) == 0
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    # 19 rows: 2 global batches of 8 + 3 left (>= 2 ranks: a short third); 3 rows: left out.
+    assert "16x16 19 2 3 3" in lines and "24x16 3 0 0 0 left out: small_bucket" in lines
+    assert (
+        "left out (small_bucket): 1 bucket(s), 3 samples, each under one global batch: 24x16"
+        in lines
+    )
+    assert any(line.startswith("steps: 3 (1 epochs") for line in lines)
