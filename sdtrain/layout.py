@@ -298,11 +298,16 @@ def index_of_folder(folder: Path) -> tuple[list[dict], np.ndarray]:
     return index if index is not None else derived_index(folder)
 
 
-def row_buckets(files: list[dict], rows: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """(bucket names sorted, int32 bucket code of each row of `rows`), via the rows' files."""
+def _file_buckets(files: list[dict]) -> tuple[list[str], np.ndarray]:
+    """(bucket names sorted, int32 bucket code of each file)."""
     names = sorted({f["bucket"] for f in files})
     code = {name: i for i, name in enumerate(names)}
-    file_bucket = np.array([code[f["bucket"]] for f in files], np.int32)
+    return names, np.array([code[f["bucket"]] for f in files], np.int32)
+
+
+def row_buckets(files: list[dict], rows: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(bucket names sorted, int32 bucket code of each row of `rows`), via the rows' files."""
+    names, file_bucket = _file_buckets(files)
     return names, file_bucket[np.asarray(rows[:, 0])]
 
 
@@ -310,16 +315,15 @@ def bucket_counts(
     folder_or_index: Path | tuple[list[dict], np.ndarray], which: np.ndarray | None = None
 ) -> dict[str, int]:
     """Rows per bucket of a phase set (a folder, or its (files, rows)), of the rows `which`
-    (indices, e.g. the training rows) or all: one bincount over the rows' files, then the
-    files' counts summed per bucket (no per-row Python)."""
+    (indices, e.g. the training rows) or all; every bucket of the set's files, 0 where none of
+    the rows is. One bincount over the rows' files, then the files' counts summed per bucket
+    (no per-row Python)."""
     if isinstance(folder_or_index, tuple):
         files, rows = folder_or_index
     else:
         files, rows = index_of_folder(Path(folder_or_index))
     file_of_row = np.asarray(rows[:, 0] if which is None else rows[which, 0])
     per_file = np.bincount(file_of_row, minlength=len(files))
-    names = sorted({f["bucket"] for f in files})
-    code = {name: i for i, name in enumerate(names)}
-    file_bucket = np.array([code[f["bucket"]] for f in files], np.int64)
+    names, file_bucket = _file_buckets(files)
     per_bucket = np.bincount(file_bucket, weights=per_file, minlength=len(names))
     return {name: int(n) for name, n in zip(names, per_bucket.tolist(), strict=True)}
