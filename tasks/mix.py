@@ -535,6 +535,9 @@ def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
         "allow_short": phase.allow_short,
         "datasets": report,
     }
+    if buckets:  # rows per bucket, before the trainer's validation hold-out
+        index_files = [{"name": f.name, **f.fields()} for f in files]
+        summary["buckets"] = layout.bucket_counts((index_files, rows))
     (tmp / "mix.json").write_text(json.dumps(summary, indent=1))
     replace_dir(tmp, final)
     return summary

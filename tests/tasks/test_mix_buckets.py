@@ -236,6 +236,7 @@ def test_bucket_counts_of_a_phase_set(bucketed_root):
     buckets = pq.read_table(phase_dir / "manifest.parquet")["bucket"].to_pylist()
     expected = {b: buckets.count(b) for b in set(buckets)}
     assert layout.bucket_counts(phase_dir) == expected and len(expected) == 4
+    assert json.loads((phase_dir / "mix.json").read_text())["buckets"] == expected
     some = np.array([0, 3, 5, 7, 39])
     # Every bucket of the set, 0 where none of the rows asked for is in it.
     assert layout.bucket_counts(phase_dir, some) == {
