@@ -17,9 +17,13 @@ Memory beyond the mapped files: a rank's `RssAnon` from /proc/self/status (anony
 the heap, Python and torch; file pages of the mapped latents, tokens and row index are
 `RssFile` and live once in the page cache), sampled every 10 ms from start to its last batch:
 `rss_per_rank_gb` is the larger rank's peak. Inputs are warm in the page cache (just written).
+With `--buckets K`, the shards are encoded in K aspect buckets (the first K <= 33 of a 1024² plan,
+rows spread over them unevenly: keys file with bucket and bucket_row, a sparse latents file per
+shard and bucket): timed are `tasks.plan.plan_phase` (8 ranks) and the mix, in one process;
+the ranks are not started (the bucketed sampler is not part of this bench).
 Prints one JSON object, last.
 Usage: python bench/mix.py [--rows N] [--shards S] [--resolution PX] [--batches B] [--dir D]
-       [--keep]
+       [--buckets K] [--keep]
 """
 
 from __future__ import annotations
@@ -68,7 +72,27 @@ def rows_per_shard(rows: int, shards: int) -> int:
     return math.ceil(rows * 1.02 / shards)
 
 
-def generate(root: Path, rows: int, shards: int, resolution: int) -> None:
+def bucket_columns(per_shard: int, buckets: int, seed: int):
+    """(bucket names, name of each row's bucket: a string column, bucket_row int32 column) of
+    one shard's rows spread over `buckets` buckets with weights 1, 1/2, 1/3, ..."""
+    import numpy as np
+    import pyarrow as pa
+
+    from tasks.buckets import BucketPlan
+
+    names = BucketPlan(area=1024 * 1024, max_side=2048, max_aspect=4.0).names()[:buckets]
+    weights = 1 / np.arange(1, len(names) + 1)
+    codes = np.random.default_rng(seed).choice(len(names), per_shard, p=weights / weights.sum())
+    order = np.argsort(codes, kind="stable")
+    starts = np.searchsorted(codes[order], np.arange(len(names)))
+    bucket_row = np.empty(per_shard, np.int32)
+    bucket_row[order] = np.arange(per_shard) - starts[codes[order]]
+    column = pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), names)
+    counts = np.bincount(codes, minlength=len(names))
+    return names, counts, column.cast(pa.string()), pa.array(bucket_row)
+
+
+def generate(root: Path, rows: int, shards: int, resolution: int, buckets: int = 0) -> None:
     """The encoded source and its view (see the module docstring)."""
     from dataclasses import asdict
 
@@ -108,6 +132,19 @@ def generate(root: Path, rows: int, shards: int, resolution: int) -> None:
                 del_me = np.lib.format.open_memmap(path, "w+", dtype, shape)
                 del del_me
             table = latent_keys.table(keys, index, tokens)
+            if buckets:
+                names, counts, column, bucket_row = bucket_columns(per_shard, buckets, s)
+                table = table.append_column("bucket", column)
+                table = table.append_column("bucket_row", bucket_row)
+                spec = {"vae": "bench", "plan": {}, "views": 1, "channels": 4}
+                table = table.replace_schema_metadata(
+                    {**table.schema.metadata, latent_keys.SPEC: json.dumps(spec).encode()}
+                )
+                for name, count in zip(names, counts.tolist(), strict=True):
+                    w, h = (int(x) // 8 for x in name.split("x"))
+                    path = root / SOURCE / "latents" / f"{shard}.{name}.npy"
+                    del_me = np.lib.format.open_memmap(path, "w+", np.float16, (count, 1, 4, h, w))
+                    del del_me
             with (
                 pa.OSFile(str(latent_keys.path(root, SOURCE, shard)), "wb") as f,
                 pa.ipc.new_file(f, table.schema) as writer,
@@ -180,6 +217,17 @@ def stage_mix(args) -> dict:
 
     root = Path(args.dir)
     cat = catalog(root, args.rows, args.resolution)
+    planned = {}
+    if args.buckets:
+        from tasks import plan
+
+        start = time.perf_counter()
+        report = plan.plan_phase(root, cat, cat.phase(PHASE), world_size=8)
+        planned = {
+            "plan_seconds": round(time.perf_counter() - start, 2),
+            "plan_buckets": len(report["buckets"]),
+            "plan_small_buckets": len(report["left_out"]["small_bucket"]["buckets"]),
+        }
     start = time.perf_counter()
     report = mix.build_phase_set(root, cat, cat.phase(PHASE))
     seconds = time.perf_counter() - start
@@ -191,6 +239,8 @@ def stage_mix(args) -> dict:
         "mix_peak_rss_anon_gb": gb(peak.stop()),
         "manifest_gb": gb((phase_dir / "manifest.parquet").stat().st_size),
         "row_index_gb": gb((phase_dir / "rows.npy").stat().st_size),
+        "files": len(json.loads((phase_dir / "files.json").read_text())["files"]),
+        **planned,
     }
 
 
@@ -236,7 +286,7 @@ def child(stage: str, args, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     command = [
         sys.executable, __file__, "--stage", stage, "--dir", args.dir, "--rows", str(args.rows),
         "--shards", str(args.shards), "--resolution", str(args.resolution),
-        "--batches", str(args.batches), *extra,
+        "--batches", str(args.batches), "--buckets", str(args.buckets), *extra,
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
 
@@ -256,6 +306,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--buckets", type=int, default=0, help="aspect buckets (0: legacy)")
     parser.add_argument("--stage", choices=("mix", "rank"), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -276,10 +327,18 @@ def main() -> None:
     try:
         load_before = os.getloadavg()[0]
         start = time.perf_counter()
-        generate(root, args.rows, args.shards, args.resolution)
+        generate(root, args.rows, args.shards, args.resolution, args.buckets)
         generate_seconds = time.perf_counter() - start
         disk = sum(p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file())
         mixed = result(child("mix", args))
+        if args.buckets:
+            print(json.dumps({"bench": "mix", "buckets": args.buckets, "shards": args.shards,
+                              "generate_seconds": round(generate_seconds, 1),
+                              "machine": f"{platform.machine()} {os.cpu_count()} cores",
+                              "load_avg_1m": [round(load_before, 2),
+                                              round(os.getloadavg()[0], 2)],
+                              **mixed}), flush=True)  # fmt: skip
+            return
         spawned = time.time()
         ranks = [child("rank", args, ("--rank", str(r))) for r in (0, 1)]
         ranks = [result(r) for r in ranks]

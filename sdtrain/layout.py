@@ -1,14 +1,23 @@
 """A phase set on disk, as mix writes it and the trainer's ranks open it (numpy and Arrow only).
 
-- `manifest.parquet`: one row per sample (source, shard, latent_row, token_row, key, dataset);
-  its sha256 is part of a run's identity.
+- `manifest.parquet`: one row per sample (source, shard, latent_row, token_row, key, dataset,
+  and `bucket` when a drawn shard was encoded in buckets); its sha256 is part of a run's
+  identity.
 - `rows.npy`: int32 [N, 3], row i = (file, latent row, token row) of manifest row i, `file`
   indexing `files.json`'s list. Ranks memory-map it: the page cache holds one copy per machine.
-- `files.json`: the files (`<source>-<shard>`), the rows each must at least have, and
-  the manifest's row count and fingerprint (a manifest rewritten since no longer matches its
-  index).
-- `latents/<source>-<shard>.npy` and `tokens/<source>-<shard>.{npy,parquet}`: links into the
-  sources' folders.
+- `files.json`: the files, the rows each must at least have, and the manifest's row count and
+  fingerprint (a manifest rewritten since no longer matches its index). A file is
+  `<source>-<shard>` (a legacy shard: `latents/<shard>.npy` [N, 4, h, w]) or
+  `<source>-<shard>.<WxH>` (one bucket of a shard encoded in buckets: `latents/<shard>.<WxH>.npy`
+  [n, V, C, H/8, W/8]); with buckets, each entry also has `bucket` ("WxH"), `views` and
+  `channels`.
+- `latents/<file>.npy` and `tokens/<file>.{npy,parquet}`: links into the sources' folders.
+
+The manifest's `bucket` is "" on the rows of a legacy shard: its file is `<source>-<shard>`, so
+the file of a row is a function of (source, shard, bucket) alone; the bucket that legacy file
+trains in (the square of its latents' shape) is its `files.json` entry's `bucket`. A phase set of
+legacy shards only has no `bucket` column and no per-file `bucket`, `views`, `channels`, as
+before; its readers take them from the latents' shape (views 1, channels 4).
 
 A folder without `rows.npy` (written by hand, or by an older sdpipe) is indexed from the
 manifest in memory instead (`derived_index`).
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 MANIFEST = "manifest.parquet"
+BUCKET_FILE = re.compile(r"\.(\d+x\d+)$")  # `<source>-<shard>.<WxH>`: a bucket's file
 ROWS = "rows.npy"
 FILES = "files.json"
 
@@ -44,20 +55,40 @@ def _codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndarray]:
     return values, np.concatenate(codes).astype(np.int32, copy=False)
 
 
-def file_index(source: pa.ChunkedArray, shard: pa.ChunkedArray) -> tuple[list[str], np.ndarray]:
-    """(file names `<source>-<shard>` sorted, int32 file of each row), vectorised."""
+def file_name(source: str, shard: str, bucket: str = "") -> str:
+    """`<source>-<shard>` (legacy shard, bucket "") or `<source>-<shard>.<bucket>`."""
+    return f"{source}-{shard}.{bucket}" if bucket else f"{source}-{shard}"
+
+
+def file_index(
+    source: pa.ChunkedArray, shard: pa.ChunkedArray, bucket: pa.ChunkedArray | None = None
+) -> tuple[list[str], np.ndarray]:
+    """(file names sorted, int32 file of each row), vectorised: a file per (source, shard,
+    bucket) used (`file_name`; no bucket column: every row's bucket is "")."""
     sources, source_codes = _codes(source)
     shards, shard_codes = _codes(shard)
     if not len(source_codes):
         return [], np.empty(0, np.int32)
-    if len(sources) == 1:
+    if bucket is None:
+        buckets = [""]
+    else:
+        buckets, bucket_codes = _codes(bucket)
+    if len(sources) == 1 and len(buckets) == 1:
         pair = shard_codes
     else:
         pair = source_codes.astype(np.int64) * len(shards) + shard_codes
-    present = np.zeros(len(sources) * len(shards), bool)
+        if len(buckets) > 1:
+            pair = pair * len(buckets) + bucket_codes
+    width = len(shards) * len(buckets)
+    present = np.zeros(len(sources) * width, bool)
     present[pair] = True
     used = np.flatnonzero(present)
-    names = [f"{sources[p // len(shards)]}-{shards[p % len(shards)]}" for p in used.tolist()]
+    names = [
+        file_name(
+            sources[p // width], shards[p // len(buckets) % len(shards)], buckets[p % len(buckets)]
+        )
+        for p in used.tolist()
+    ]
     order = sorted(range(len(names)), key=names.__getitem__)
     lookup = np.full(len(present), -1, np.int32)
     lookup[used[order]] = np.arange(len(order), dtype=np.int32)
@@ -79,8 +110,10 @@ def _put_int32(out: np.ndarray, column: pa.ChunkedArray) -> None:
 
 
 def index_of(manifest: pa.Table) -> tuple[list[str], np.ndarray]:
-    """(files, rows int32 [N, 3]) of a manifest table (source, shard, latent_row, token_row)."""
-    files, file_of_row = file_index(manifest["source"], manifest["shard"])
+    """(files, rows int32 [N, 3]) of a manifest table (source, shard, latent_row, token_row,
+    and bucket when it has one)."""
+    bucket = manifest["bucket"] if "bucket" in manifest.column_names else None
+    files, file_of_row = file_index(manifest["source"], manifest["shard"], bucket)
     rows = np.empty((manifest.num_rows, 3), np.int32)
     rows[:, 0] = file_of_row
     _put_int32(rows[:, 1], manifest["latent_row"])
@@ -118,16 +151,23 @@ def write_rows(folder: Path, rows: np.ndarray) -> None:
     np.save(folder / ROWS, np.ascontiguousarray(rows, np.int32))
 
 
-def write_files(folder: Path, files: list[str], rows: np.ndarray) -> None:
-    """`files.json`, once the manifest in `folder` is complete (it holds its fingerprint)."""
+def write_files(
+    folder: Path, files: list[str], rows: np.ndarray, fields: list[dict] | None = None
+) -> None:
+    """`files.json`, once the manifest in `folder` is complete (it holds its fingerprint).
+
+    `fields`: per file, its `bucket`, `views`, `channels` (a set with buckets); None writes the
+    legacy entries (name, latent_rows, token_rows) exactly as before.
+    """
     latents, tokens = needed_rows(rows, len(files))
+    fields = fields if fields is not None else [{}] * len(files)
     meta = {
         "num_rows": len(rows),
         "manifest": manifest_mark(folder / MANIFEST),
         "files": [
-            {"name": name, "latent_rows": int(n_latents), "token_rows": int(n_tokens)}
-            for name, n_latents, n_tokens in zip(
-                files, latents.tolist(), tokens.tolist(), strict=True
+            {"name": name, **more, "latent_rows": int(n_latents), "token_rows": int(n_tokens)}
+            for name, more, n_latents, n_tokens in zip(
+                files, fields, latents.tolist(), tokens.tolist(), strict=True
             )
         ],
     }
@@ -188,20 +228,102 @@ def mapped_index(folder: Path) -> tuple[list[dict], np.ndarray] | None:
     rows = map_npy(folder / ROWS)
     if rows.shape != (meta["num_rows"], 3) or rows.dtype != np.int32:
         return None
-    return meta["files"], rows
+    return with_file_fields(folder, meta["files"]), rows
 
 
 def derived_index(folder: Path) -> tuple[list[dict], np.ndarray]:
     """(files, rows in RAM) from the manifest's columns: a folder without a (matching) index."""
-    manifest = pq.read_table(
-        folder / MANIFEST,
-        columns=["source", "shard", "latent_row", "token_row"],
-        read_dictionary=["source", "shard"],
-    )
+    columns = ["source", "shard", "latent_row", "token_row"]
+    strings = ["source", "shard"]
+    if "bucket" in pq.read_schema(folder / MANIFEST).names:
+        columns.append("bucket")
+        strings.append("bucket")
+    manifest = pq.read_table(folder / MANIFEST, columns=columns, read_dictionary=strings)
     names, rows = index_of(manifest)
     latents, tokens = needed_rows(rows, len(names))
     files = [
         {"name": name, "latent_rows": int(n_latents), "token_rows": int(n_tokens)}
         for name, n_latents, n_tokens in zip(names, latents.tolist(), tokens.tolist(), strict=True)
     ]
-    return files, rows
+    return with_file_fields(folder, files), rows
+
+
+def latent_layout(path: Path) -> tuple[str, int, int]:
+    """(bucket "WxH", views, channels) of a latents file, from its .npy header alone: a legacy
+    [N, C, h, w] array is one view; a bucket's [n, V, C, H/8, W/8] array has V views."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        shape = read_header(f)[0]
+    if len(shape) == 4:
+        views, channels = 1, shape[1]
+    elif len(shape) == 5:
+        views, channels = shape[1], shape[2]
+    else:
+        raise ValueError(f"{path}: latents of shape {shape}, neither [N,C,h,w] nor [n,V,C,h,w]")
+    return f"{shape[-1] * 8}x{shape[-2] * 8}", int(views), int(channels)
+
+
+def with_file_fields(folder: Path, files: list[dict]) -> list[dict]:
+    """The file entries with `bucket`, `views`, `channels`: an entry written without them gets
+    them from its latents' header. The legacy files of a set (`<source>-<shard>`) are of one
+    shape, as the trainer has always read them: the first one's header stands for all (a set of
+    10,000 opens without reading 10,000 headers); a bucket's file (a derived index) is read."""
+    legacy: tuple[str, int, int] | None = None
+    out = []
+    for entry in files:
+        if "bucket" not in entry:
+            name = entry["name"]
+            if BUCKET_FILE.search(name) or legacy is None:
+                try:
+                    fields = latent_layout(folder / "latents" / f"{name}.npy")
+                except FileNotFoundError:  # the set's reader names a missing file when it maps it
+                    fields = (BUCKET_FILE.search(name) or [None, ""])[1], 1, 4
+                if not BUCKET_FILE.search(name):
+                    legacy = fields
+            else:
+                fields = legacy
+            entry = {**entry, **dict(zip(("bucket", "views", "channels"), fields, strict=True))}
+        out.append(entry)
+    return out
+
+
+def index_of_folder(folder: Path) -> tuple[list[dict], np.ndarray]:
+    """(files, rows) of a phase set: its index memory-mapped, else derived from the manifest."""
+    index = mapped_index(folder)
+    return index if index is not None else derived_index(folder)
+
+
+def _file_buckets(files: list[dict]) -> tuple[list[str], np.ndarray]:
+    """(bucket names sorted, int32 bucket code of each file)."""
+    names = sorted({f["bucket"] for f in files})
+    code = {name: i for i, name in enumerate(names)}
+    return names, np.array([code[f["bucket"]] for f in files], np.int32)
+
+
+def row_buckets(files: list[dict], rows: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(bucket names sorted, int32 bucket code of each row of `rows`), via the rows' files."""
+    names, file_bucket = _file_buckets(files)
+    return names, file_bucket[np.asarray(rows[:, 0])]
+
+
+def bucket_counts(
+    folder_or_index: Path | tuple[list[dict], np.ndarray], which: np.ndarray | None = None
+) -> dict[str, int]:
+    """Rows per bucket of a phase set (a folder, or its (files, rows)), of the rows `which`
+    (indices, e.g. the training rows) or all; every bucket of the set's files, 0 where none of
+    the rows is. One bincount over the rows' files, then the files' counts summed per bucket
+    (no per-row Python)."""
+    if isinstance(folder_or_index, tuple):
+        files, rows = folder_or_index
+    else:
+        files, rows = index_of_folder(Path(folder_or_index))
+    file_of_row = np.asarray(rows[:, 0] if which is None else rows[which, 0])
+    per_file = np.bincount(file_of_row, minlength=len(files))
+    names, file_bucket = _file_buckets(files)
+    per_bucket = np.bincount(file_bucket, weights=per_file, minlength=len(names))
+    return {name: int(n) for name, n in zip(names, per_bucket.tolist(), strict=True)}

@@ -12,6 +12,15 @@ Everything per sample is an Arrow or numpy column: the encoded keys are read fro
 keys file (`tasks.latent_keys`), joined with the view one shard at a time, drawn by one
 permutation per dataset, and written as the manifest plus the memory-mapped row index the
 trainer's ranks share (`sdtrain.layout`).
+
+A shard encoded in aspect buckets (docs/training-data.md, "Latents on disk") is a file of the
+phase set per bucket: `<source>-<shard>.<WxH>`, its rows' latent row the keys file's
+`bucket_row`, its drawn rows in the manifest by bucket (in the order of the shard's bucket
+column's dictionary), each bucket's in keys order: a file's rows are one run of the index, read
+front to back. The manifest then has a `bucket` column ("" on the rows of legacy shards, whose
+file stays `<source>-<shard>`) and `files.json` each file's `bucket`, `views`, `channels`. All
+shards of a dataset share one latent spec (else MixError naming them); datasets of one phase may
+differ in views and channels (say, one source samples latents), which each file records.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -42,10 +52,104 @@ class MixError(Exception):
     """A phase's datasets have nothing encoded to draw from, or less than the phase asks for."""
 
 
-def encoded_shards(root: Path, source: str) -> list[tuple[str, pa.Table]]:
-    """(shard, its keys file: key, token_row) of each encoded shard (a stats record), in shard
-    order. Token rows are trusted while the shard's tokens file is the one encode saw (size,
-    mtime), else the keys are checked against that file (MixError when they differ)."""
+class EncodedShard:
+    """An encoded shard: its keys file (key, token_row; and bucket, bucket_row when encoded in
+    buckets) and what its latents look like. A shard's buckets are read when first asked for."""
+
+    def __init__(self, root: Path, source: str, name: str, keys: pa.Table):
+        self.root, self.source, self.name, self.keys = root, source, name, keys
+        self.spec = latent_keys.spec(keys)  # None: legacy (one `<shard>.npy`, row = keys row)
+        self._buckets: tuple[list[str], np.ndarray] | None = None
+        self._legacy: tuple[str, int, int] | None = None
+        if self.spec is not None:
+            self._views_channels = int(self.spec.get("views", 1)), int(self.spec.get("channels", 4))
+
+    @property
+    def bucketed(self) -> bool:
+        return self.spec is not None
+
+    def buckets(self) -> tuple[list[str], np.ndarray]:
+        """(bucket names, int32 bucket code of each keys row), from the column's dictionary."""
+        if self._buckets is None:
+            names = self.keys.column_names
+            missing = [
+                c for c in ("bucket", "bucket_row") if c not in names or self.keys[c].null_count
+            ]
+            if missing:
+                raise MixError(
+                    f"{self.source}/{self.name}: its keys file has buckets but its "
+                    f"{' and '.join(missing)} is missing (on some rows); encode the shard again "
+                    f"(remove {self.source}/latents/{self.name}{RECORD})"
+                )
+            column = self.keys["bucket"]
+            if not pa.types.is_dictionary(column.type):
+                column = pc.dictionary_encode(column)
+            column = pa.table({"b": column}).unify_dictionaries()["b"]
+            if column.num_chunks == 0 or len(column) == 0:
+                self._buckets = [], np.empty(0, np.int32)
+            else:
+                names = column.chunk(0).dictionary.to_pylist()
+                codes = [c.indices.to_numpy(zero_copy_only=False) for c in column.chunks]
+                self._buckets = names, np.concatenate(codes).astype(np.int32, copy=False)
+        return self._buckets
+
+    def legacy_layout(self) -> tuple[str, int, int]:
+        """(bucket, views, channels) of a legacy shard's `<shard>.npy`, from its header."""
+        if self._legacy is None:
+            path = self.root / self.source / latent_keys.STAGE / f"{self.name}.npy"
+            try:
+                self._legacy = layout.latent_layout(path)
+            except FileNotFoundError as e:
+                raise MixError(f"{self.source}/{self.name}: {path} is missing") from e
+        return self._legacy
+
+    def views_channels(self) -> tuple[int, int]:
+        """(views, channels) of each latent of the shard (its spec; a legacy shard's header)."""
+        if self.spec is None:
+            return self.legacy_layout()[1:]
+        return self._views_channels
+
+    def label(self) -> str:
+        """The shard's latent spec in words (error messages)."""
+        if self.spec is None:
+            return "legacy (square, 1 view, 4 channels)"
+        return json.dumps(self.spec, sort_keys=True)
+
+    def file(self, bucket: str | None, with_fields: bool) -> FileEntry:
+        """The phase-set file of one bucket of this shard (None: the legacy shard's one file);
+        `with_fields`: its bucket, views, channels (a set with buckets), else None."""
+        if bucket is None:
+            fields = self.legacy_layout() if with_fields else (None, None, None)
+            return FileEntry(
+                layout.file_name(self.source, self.name), self.source, self.name,
+                f"{self.name}.npy", *fields,
+            )  # fmt: skip
+        return FileEntry(
+            layout.file_name(self.source, self.name, bucket), self.source, self.name,
+            f"{self.name}.{bucket}.npy", bucket, *self.views_channels(),
+        )  # fmt: skip
+
+
+class FileEntry(NamedTuple):
+    """A file of the phase set: its name, where its latents are (`<source>/latents/<latent>`),
+    and (a set with buckets) its bucket, views and channels for `files.json`."""
+
+    name: str
+    source: str
+    shard: str
+    latent: str
+    bucket: str | None
+    views: int | None
+    channels: int | None
+
+    def fields(self) -> dict:
+        return {"bucket": self.bucket, "views": self.views, "channels": self.channels}
+
+
+def encoded_shards(root: Path, source: str) -> list[EncodedShard]:
+    """Each encoded shard (a stats record) with its keys file, in shard order. Token rows are
+    trusted while the shard's tokens file is the one encode saw (size, mtime), else the keys
+    are checked against that file (MixError when they differ)."""
     folder = root / source / latent_keys.STAGE
     if not folder.is_dir():
         return []
@@ -62,7 +166,7 @@ def encoded_shards(root: Path, source: str) -> list[tuple[str, pa.Table]]:
                 f"the encoded token rows); encode the shard again (remove "
                 f"{folder / (shard + RECORD)})"
             )
-        out.append((shard, table))
+        out.append(EncodedShard(root, source, shard, table))
     return out
 
 
@@ -76,34 +180,62 @@ def _tokens_differ(root: Path, source: str, shard: str, table: pa.Table) -> bool
     return not latent_keys.tokens_match(root, source, shard, table)
 
 
+def _small(codes: np.ndarray, num_values: int) -> np.ndarray:
+    """Codes as int16 where they fit: numpy's stable sort of 16-bit ints is a radix sort."""
+    return codes.astype(np.int16) if num_values <= np.iinfo(np.int16).max else codes
+
+
 def _dictionary(codes: np.ndarray, values: list[str]) -> pa.DictionaryArray:
     return pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(values, pa.string()))
 
 
-def _samples(source: str, parts: list[tuple[str, np.ndarray, pa.Table]], dataset: str | None):
-    """The samples table of (shard, latent rows, their rows of the keys file) parts, in order.
+class _Drawn(NamedTuple):
+    """A shard's drawn rows: their latent rows (in the bucket's file, or the shard's), their
+    rows of the keys file, and (a set with buckets) the manifest's bucket of each: names and an
+    int32 code per row ("" for a legacy shard)."""
 
-    source, shard and dataset are dictionary columns (a code per row, not a string).
+    shard: str
+    latent_rows: np.ndarray
+    keys: pa.Table
+    bucket_names: list[str] | None = None
+    bucket_codes: np.ndarray | None = None
+
+
+def _samples(source: str, parts: list[_Drawn], dataset: str | None, buckets: bool = False):
+    """The samples table of a source's drawn parts, in order; `buckets`: with a bucket column.
+
+    source, shard, dataset and bucket are dictionary columns (a code per row, not a string).
     """
-    counts = np.array([len(rows) for _, rows, _ in parts], np.int64)
+    counts = np.array([len(p.latent_rows) for p in parts], np.int64)
     n = int(counts.sum())
     columns = {
         "source": _dictionary(np.zeros(n, np.int8), [source]),
         "shard": _dictionary(
-            np.repeat(np.arange(len(parts), dtype=np.int32), counts), [s for s, _, _ in parts]
+            np.repeat(np.arange(len(parts), dtype=np.int32), counts), [p.shard for p in parts]
         ),
         "latent_row": pa.array(
-            np.concatenate([rows for _, rows, _ in parts]) if parts else np.empty(0, np.int64),
+            np.concatenate([p.latent_rows for p in parts]) if parts else np.empty(0, np.int64),
             pa.int64(),
         ),
         "token_row": pa.chunked_array(
-            [pc.cast(c, pa.int64()) for _, _, t in parts for c in t["token_row"].chunks],
+            [pc.cast(c, pa.int64()) for p in parts for c in p.keys["token_row"].chunks],
             pa.int64(),
         ),
-        "key": pa.chunked_array([c for _, _, t in parts for c in t["key"].chunks], pa.string()),
+        "key": pa.chunked_array([c for p in parts for c in p.keys["key"].chunks], pa.string()),
     }
     if dataset is not None:
         columns["dataset"] = _dictionary(np.zeros(n, np.int8), [dataset])
+    if buckets:
+        names: dict[str, int] = {}
+        codes = [
+            np.array([names.setdefault(b, len(names)) for b in p.bucket_names], np.int32)[
+                p.bucket_codes
+            ]
+            for p in parts
+        ]
+        columns["bucket"] = _dictionary(
+            np.concatenate(codes) if codes else np.empty(0, np.int32), list(names)
+        )
     return pa.table(columns)
 
 
@@ -112,38 +244,93 @@ class EncodedView:
     view keeps: no column of samples is built until rows are drawn (`drawn`). Offers what mix
     and plan use of a table: `num_rows`, `filter(mask)`, `table()`, `view[column]`."""
 
-    def __init__(self, source: str, dataset: str, parts: list[tuple[str, np.ndarray, pa.Table]]):
+    def __init__(self, source: str, dataset: str, parts: list[tuple[EncodedShard, np.ndarray]]):
         self.source, self.dataset, self.parts = source, dataset, parts
-        self.counts = [int(np.count_nonzero(kept)) for _, kept, _ in parts]
+        self.counts = [int(np.count_nonzero(kept)) for _, kept in parts]
         self.num_rows = sum(self.counts)
+        self.bucketed = any(shard.bucketed for shard, _ in parts)
 
-    def drawn(self, mask: np.ndarray) -> Iterator[tuple[pa.Table, list]]:
-        """The samples where `mask` (over this view's rows, in (shard, latent_row) order) is
-        true, a batch of shards at a time: (samples table, [(file, latent rows, token rows)])."""
-        picked, pieces, num_picked, start = [], [], 0, 0
-        for (shard, kept, keys), count in zip(self.parts, self.counts, strict=True):
+    def _taken(self, mask: np.ndarray) -> Iterator[tuple[EncodedShard, np.ndarray]]:
+        """(shard, its keys rows drawn: a mask) of each shard with rows where `mask` (over this
+        view's rows, in (shard, keys row) order) is true."""
+        start = 0
+        for (shard, kept), count in zip(self.parts, self.counts, strict=True):
             take = kept.copy()
             take[kept] = mask[start : start + count]
             start += count
-            latent_rows = np.flatnonzero(take)
-            if not len(latent_rows):
-                continue
-            chosen = keys.filter(take)
-            picked.append((shard, latent_rows, chosen))
-            pieces.append((f"{self.source}-{shard}", latent_rows, chosen["token_row"].to_numpy()))
-            num_picked += len(latent_rows)
+            if take.any():
+                yield shard, take
+
+    def drawn(
+        self, mask: np.ndarray, buckets: bool | None = None
+    ) -> Iterator[tuple[pa.Table, list]]:
+        """The samples where `mask` is true, a batch of shards at a time: (samples table,
+        [(files, file of each row or None for files[0], latent rows, token rows)]).
+
+        `buckets` (default: whether this view has shards encoded in buckets): the samples get a
+        `bucket` column and the files their bucket, views and channels (a phase mixing this
+        view with one in buckets asks for them).
+        """
+        buckets = self.bucketed if buckets is None else buckets
+        picked, pieces, num_picked = [], [], 0
+        for shard, take in self._taken(mask):
+            rows = np.flatnonzero(take)
+            if shard.bucketed:
+                names, codes = shard.buckets()
+                codes = codes[rows]
+                by_bucket = np.argsort(_small(codes, len(names)), kind="stable")
+                rows, codes = rows[by_bucket], codes[by_bucket]
+                keys = shard.keys.take(rows)
+                # The shard's files: the buckets its drawn rows are in, each one run of rows.
+                counts = np.bincount(codes, minlength=len(names))
+                present = np.flatnonzero(counts)
+                files = [shard.file(names[b], True) for b in present.tolist()]
+                file_of_row = np.repeat(np.arange(len(present), dtype=np.int32), counts[present])
+                latent_rows = pc.cast(keys["bucket_row"], pa.int64()).to_numpy()
+                token_rows = keys["token_row"].to_numpy()
+                pieces.append((files, file_of_row, latent_rows, token_rows))
+                picked.append(_Drawn(shard.name, latent_rows, keys, names, codes))
+            else:
+                keys = shard.keys.filter(take)
+                token_rows = keys["token_row"].to_numpy()
+                pieces.append(([shard.file(None, buckets)], None, rows, token_rows))
+                picked.append(_Drawn(shard.name, rows, keys, [""], np.zeros(len(rows), np.int32)))
+            num_picked += len(rows)
             if num_picked >= BATCH_ROWS:
-                yield _samples(self.source, picked, self.dataset), pieces
+                yield _samples(self.source, picked, self.dataset, buckets), pieces
                 picked, pieces, num_picked = [], [], 0
         if picked:
-            yield _samples(self.source, picked, self.dataset), pieces
+            yield _samples(self.source, picked, self.dataset, buckets), pieces
+
+    def drawn_buckets(self, mask: np.ndarray) -> Iterator[tuple[list[str], np.ndarray]]:
+        """(bucket names, int32 code of each drawn row) of each shard with rows where `mask` is
+        true, in manifest order (by bucket, as `drawn`): a legacy shard's rows are all in the
+        square of its latents."""
+        for shard, take in self._taken(mask):
+            if shard.bucketed:
+                names, codes = shard.buckets()
+                counts = np.bincount(codes[take], minlength=len(names))
+                yield names, np.repeat(np.arange(len(names), dtype=np.int32), counts)
+            else:
+                yield [shard.legacy_layout()[0]], np.zeros(int(np.count_nonzero(take)), np.int32)
+
+    def latent_layouts(self) -> dict[str, tuple[int, int]]:
+        """Per bucket this view's shards have, (views, channels) of its latents."""
+        found = {}
+        for shard, _ in self.parts:
+            names = shard.buckets()[0] if shard.bucketed else [shard.legacy_layout()[0]]
+            found |= dict.fromkeys(names, shard.views_channels())
+        return found
 
     def filter(self, mask) -> pa.Table:
-        """The drawn samples as one table (source, shard, latent_row, token_row, key, dataset)."""
+        """The drawn samples as one table (source, shard, latent_row, token_row, key, dataset,
+        and bucket for a view with shards in buckets)."""
         if isinstance(mask, pa.Array | pa.ChunkedArray):
             mask = mask.to_numpy(zero_copy_only=False)
         tables = [table for table, _ in self.drawn(np.asarray(mask, bool))]
-        return pa.concat_tables(tables) if tables else _samples(self.source, [], self.dataset)
+        if tables:
+            return pa.concat_tables(tables)
+        return _samples(self.source, [], self.dataset, self.bucketed)
 
     def table(self) -> pa.Table:
         return self.filter(np.ones(self.num_rows, bool))
@@ -177,16 +364,38 @@ def dataset_view(root: Path, catalog: Catalog, dataset: str) -> EncodedView:
     refreshed here when missing or stale) that its source encoded, in (shard, latent_row)
     order. The join is one shard's keys at a time, while the view's next row group is read."""
     ds = catalog.dataset(dataset)
-    encoded = dict(encoded_shards(root, ds.source))
+    encoded = {shard.name: shard for shard in encoded_shards(root, ds.source)}
     kept: dict[str, np.ndarray] = {}
     for shard, keys in _view_runs(views.view_key_groups(root, catalog, dataset)):
         table = encoded.get(shard)
         if table is None:
             continue
-        found = pc.is_in(table["key"], value_set=keys).to_numpy(zero_copy_only=False)
+        found = pc.is_in(table.keys["key"], value_set=keys).to_numpy(zero_copy_only=False)
         kept[shard] = found if shard not in kept else kept[shard] | found
-    parts = [(s, kept[s], t) for s, t in encoded.items() if s in kept and kept[s].any()]
+    parts = [(s, kept[name]) for name, s in encoded.items() if name in kept and kept[name].any()]
+    _one_spec(dataset, ds.source, [s for s, _ in parts])
     return EncodedView(ds.source, dataset, parts)
+
+
+def _one_spec(dataset: str, source: str, shards: list[EncodedShard]) -> None:
+    """MixError unless the dataset's shards share one latent spec: a batch of the dataset's
+    rows must read alike (e.g. some flipped and some not is a half re-encoded source)."""
+    groups: dict[str, list[str]] = {}
+    for shard in shards:
+        groups.setdefault(shard.label(), []).append(shard.name)
+    if len(groups) <= 1:
+        return
+
+    def listed(names: list[str]) -> str:
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        return ", ".join(names[:5]) + more
+
+    by_spec = "; ".join(f"{listed(names)}: {spec}" for spec, names in groups.items())
+    raise MixError(
+        f"dataset {dataset!r}: the shards of {source} were encoded under different latent specs "
+        f"({by_spec}); run build-latents for {source} so encode redoes every shard not encoded "
+        "under the model's current spec, then mix again"
+    )
 
 
 def draw_counts(phase: Phase, available: dict[str, int]) -> list[dict]:
@@ -297,24 +506,31 @@ def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
     (tmp / "latents").mkdir(parents=True)
     (tmp / "tokens").mkdir()
     index = _RowIndex(total)
+    # A set with any shard in buckets has a bucket column and per-file bucket, views, channels;
+    # one of legacy shards only is written exactly as before.
+    buckets = any(isinstance(v, EncodedView) and v.bucketed for v in viewed.values())
     with _ManifestWriter(tmp / layout.MANIFEST) as manifest:
         for r in report:
             view = viewed.pop(r["dataset"])
             mask = draw(phase, r["dataset"], view.num_rows, r["taken"])
             if isinstance(view, EncodedView):
-                batches = view.drawn(mask)
+                batches = view.drawn(mask, buckets)
             else:  # a plain table (tests plant views as tables)
                 batches = [(view.filter(mask), None)]
             for table, pieces in batches:
                 manifest.write(table)
                 index.add(table, pieces)
+                # (train-time captions: `captions.arrow`, row i = manifest row i, is written
+                # beside the manifest from these same tables, here.)
             del view, mask, batches
         files, rows = index.result()
         layout.write_rows(tmp, rows)
         _link_files(root, tmp, files)
-    layout.write_files(tmp, [name for name, _, _ in files], rows)
+    fields = [f.fields() for f in files] if buckets else None
+    names = [f.name for f in files]
+    layout.write_files(tmp, names, rows, fields)
     if phase.train_time_captions:  # the text the loader tokenizes (sdtrain.captions)
-        captions.write_captions(tmp, ([name for name, _, _ in files], rows), root)
+        captions.write_captions(tmp, (names, rows), root)
     summary = {
         "phase": phase.name,
         "seed": phase.seed,
@@ -322,6 +538,9 @@ def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
         "allow_short": phase.allow_short,
         "datasets": report,
     }
+    if buckets:  # rows per bucket, before the trainer's validation hold-out
+        index_files = [{"name": f.name, **f.fields()} for f in files]
+        summary["buckets"] = layout.bucket_counts((index_files, rows))
     (tmp / "mix.json").write_text(json.dumps(summary, indent=1))
     replace_dir(tmp, final)
     return summary
@@ -365,29 +584,38 @@ class _ManifestWriter:
 
 class _RowIndex:
     """The phase set's row index, filled as rows are drawn: int32 (file, latent row, token
-    row) per manifest row, files numbered in order of first use. Rows drawn from a plain table
-    (a view a test planted) are indexed from the manifest's columns at the end."""
+    row) per manifest row, files numbered in order of first use (a shard's bucket files in the
+    order of its buckets). Rows drawn from a plain table (a view a test planted) are indexed
+    from the manifest's columns at the end."""
 
     def __init__(self, num_rows: int):
         self.rows = np.empty((num_rows, 3), np.int32)
         self.files: dict[str, int] = {}
+        self.entries: list[FileEntry] = []
         self.filled = 0
         self.planted: list[pa.Table] = []
+
+    def _file(self, entry: FileEntry) -> int:
+        number = self.files.setdefault(entry.name, len(self.files))
+        if number == len(self.entries):
+            self.entries.append(entry)
+        return number
 
     def add(self, table: pa.Table, pieces: list | None) -> None:
         if pieces is None:
             self.planted.append(table)
             return
-        for name, latent_rows, token_rows in pieces:
+        for files, file_of_row, latent_rows, token_rows in pieces:
             n = len(latent_rows)
+            numbers = np.array([self._file(f) for f in files], np.int32)
             block = self.rows[self.filled : self.filled + n]
-            block[:, 0] = self.files.setdefault(name, len(self.files))
+            block[:, 0] = numbers[0] if file_of_row is None else numbers[file_of_row]
             block[:, 1] = latent_rows
             block[:, 2] = token_rows
             self.filled += n
 
-    def result(self) -> tuple[list[tuple[str, str, str]], np.ndarray]:
-        """([(file, source, shard)], rows)."""
+    def result(self) -> tuple[list[FileEntry], np.ndarray]:
+        """(files, rows)."""
         if self.planted:
             if self.files:
                 raise ValueError("mix: planted and encoded views in one phase")
@@ -397,17 +625,24 @@ class _RowIndex:
                 zip(manifest["source"].to_pylist(), manifest["shard"].to_pylist(), strict=True)
             )
             where = {f"{source}-{shard}": (source, shard) for source, shard in pairs}
-            return [(n, *where[n]) for n in names], self.rows
+            files = [FileEntry(n, *where[n], f"{where[n][1]}.npy", None, None, None) for n in names]
+            return files, self.rows
         if self.filled != len(self.rows):
             raise AssertionError(f"mix: {self.filled} rows drawn of {len(self.rows)}")
-        return [(n, *n.rsplit("-", 1)) for n in self.files], self.rows
+        return self.entries, self.rows
 
 
-def _link_files(root: Path, folder: Path, files: list[tuple[str, str, str]]) -> None:
-    """Relative links (the data root stays movable) to each file's latents and tokens."""
-    for name, source, shard in files:
-        up = Path("../../..") / source
-        (folder / "latents" / f"{name}.npy").symlink_to(up / "latents" / f"{shard}.npy")
-        (folder / "tokens" / f"{name}.parquet").symlink_to(up / "tokens" / f"{shard}.parquet")
-        if (root / source / "tokens" / f"{shard}.npy").exists():
-            (folder / "tokens" / f"{name}.npy").symlink_to(up / "tokens" / f"{shard}.npy")
+def _link_files(root: Path, folder: Path, files: list[FileEntry]) -> None:
+    """Relative links (the data root stays movable) to each file's latents and tokens (the
+    bucket files of one shard link its one tokens file each)."""
+    has_ids: dict[tuple[str, str], bool] = {}
+    latents, tokens = f"{folder}/latents", f"{folder}/tokens"  # strings: 3 links per file
+    for f in files:
+        up = f"../../../{f.source}"
+        os.symlink(f"{up}/latents/{f.latent}", f"{latents}/{f.name}.npy")
+        os.symlink(f"{up}/tokens/{f.shard}.parquet", f"{tokens}/{f.name}.parquet")
+        pair = (f.source, f.shard)
+        if pair not in has_ids:
+            has_ids[pair] = os.path.exists(f"{root}/{f.source}/tokens/{f.shard}.npy")
+        if has_ids[pair]:
+            os.symlink(f"{up}/tokens/{f.shard}.npy", f"{tokens}/{f.name}.npy")

@@ -6,6 +6,13 @@ over the per-rank batches that remain after the validation hold-out), for the ra
 `launch_training` would start here; the ETA divides the samples to train by the samples/s last
 measured on this data root for the same model (a run's summary), so it is "unknown" until one
 run has finished.
+
+Bucket occupancy: the buckets of the rows the mix would draw (each drawn row's bucket, from the
+encoded shards' keys files; a legacy shard is the one square of its latents), less the
+validation hold-out, each with its global batches per epoch by the bucketed sampler's rule
+(`sdtrain.bucket_batches`); buckets with fewer rows than one global batch are listed as left out
+(`small_bucket`). A set of one bucket that the phase does not flip keeps the plain sampler
+(every rank's share of one permutation), counted as before.
 """
 
 from __future__ import annotations
@@ -13,7 +20,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from catalog import Catalog, Phase
+from sdtrain.bucket_batches import SMALL_BUCKET, batches_per_bucket, small_buckets
 from sdtrain.config import run_config_for_phase
 from sdtrain.schedules import total_optimizer_steps
 from tasks import mix
@@ -49,12 +59,22 @@ def plan_phase(
 ) -> dict:
     """The phase's plan; raises MixError as the mix would (a short dataset, nothing encoded)."""
     world_size = world_size or default_world_size()
-    available = {e.dataset: mix.dataset_view(root, catalog, e.dataset).num_rows for e in phase.mix}
-    datasets = mix.draw_counts(phase, available)
+    viewed = {e.dataset: mix.dataset_view(root, catalog, e.dataset) for e in phase.mix}
+    datasets = mix.draw_counts(phase, {d: v.num_rows for d, v in viewed.items()})
     num_samples = sum(d["taken"] for d in datasets)
     config = run_config_for_phase(phase, phase_dir="", run_dir="")
     num_train = max(0, num_samples - config.num_val_samples)
-    batches_per_rank = num_train // world_size // config.batch_size
+    resolution = catalog.model(phase.model).resolution
+    names, drawn, train, latent_bytes = drawn_buckets(
+        phase, viewed, datasets, config.num_val_samples, config.seed, f"{resolution}x{resolution}"
+    )
+    bucket_batch = config.batch_size * world_size  # one global batch of the sampler
+    per_bucket = batches_per_bucket(train, bucket_batch, world_size)
+    bucketed = np.count_nonzero(train) > 1 or _flips(phase)
+    if bucketed:
+        batches_per_rank = int(per_bucket.sum())
+    else:  # the plain sampler: each rank's share of one permutation, in whole batches
+        batches_per_rank = num_train // world_size // config.batch_size
     steps = total_optimizer_steps(
         batches_per_rank,
         epochs=config.epochs,
@@ -62,9 +82,25 @@ def plan_phase(
         max_steps=config.max_steps,
     )
     global_batch = config.batch_size * world_size * config.grad_accum
-    model = catalog.model(phase.model)
-    side = model.resolution // 8
-    latent_bytes = 4 * side * side * 2  # fp16 [4, side, side]
+    small = small_buckets(train, bucket_batch) & (train > 0) & bucketed
+    buckets = [
+        {
+            "bucket": name,
+            "rows": int(n),
+            "full_batches": int(n // bucket_batch),
+            "last_batch": int(n % bucket_batch) if b and n % bucket_batch >= world_size else 0,
+            "batches_per_rank": int(b),
+            "left_out": SMALL_BUCKET if left else None,
+        }
+        for name, n, b, left, all_rows in zip(
+            names, train.tolist(), per_bucket.tolist(), small.tolist(), drawn.tolist(), strict=True
+        )
+        if all_rows
+    ]
+    if not bucketed:  # the plain sampler cuts no batch per bucket
+        for b in buckets:
+            b["full_batches"] = b["last_batch"] = None
+            b["batches_per_rank"] = batches_per_rank
     measured = measured_samples_per_s(root, phase.model)
     samples_to_train = steps * global_batch
     return {
@@ -76,12 +112,86 @@ def plan_phase(
         "global_batch": global_batch,
         "epochs": config.epochs,
         "steps": steps,
-        "latents_gb": round(num_samples * latent_bytes / 1e9, 3),
+        "bucketed_sampler": bool(bucketed),
+        "bucket_batch": bucket_batch,
+        "batches_per_rank": batches_per_rank,
+        "buckets": buckets,
+        "left_out": {
+            SMALL_BUCKET: {
+                "buckets": [b["bucket"] for b in buckets if b["left_out"]],
+                "samples": sum(b["rows"] for b in buckets if b["left_out"]),
+            }
+        },
+        "latents_gb": round(latent_bytes / 1e9, 3),
         "tokens_gb": round(num_samples * TOKEN_BYTES / 1e9, 3),
         "samples_per_s": measured[0] if measured else None,
         "measured_on": measured[1] if measured else None,
         "eta_s": round(samples_to_train / measured[0]) if measured else None,
     }
+
+
+def _flips(phase: Phase) -> bool:
+    """Whether the phase trains on mirrored images too (`flip_p`, issue 20; absent before it):
+    the sampler then batches by bucket even for one bucket."""
+    return bool(getattr(phase, "flip_p", 0.0))
+
+
+def drawn_buckets(
+    phase: Phase, viewed: dict, datasets: list[dict], num_val: int, seed: int, square: str
+) -> tuple[list[str], np.ndarray, np.ndarray, int]:
+    """(bucket names sorted, rows drawn per bucket, training rows per bucket, latent bytes) of
+    the rows the mix would draw: each dataset's seeded mask (`mix.draw`), its rows' buckets a
+    shard at a time, and the rows `split_rows` holds out for validation taken off by position
+    in the phase set (manifest order: datasets in mix order, each in its view's order).
+
+    A view planted as a plain table (tests) is one bucket, `square`, of 1 view x 4 channels.
+    """
+    from sdtrain.data import split_rows
+
+    num_samples = sum(d["taken"] for d in datasets)
+    if num_val >= num_samples:
+        val = np.arange(num_samples)  # nothing left to train on
+    else:
+        val = split_rows(num_samples, num_val, seed)[1]
+    code: dict[str, int] = {}
+    drawn: list[np.ndarray] = []  # per shard (or planted view), rows drawn per code
+    held: list[np.ndarray] = []
+    latent_bytes, offset = 0, 0
+    for d in datasets:
+        view = viewed[d["dataset"]]
+        mask = mix.draw(phase, d["dataset"], view.num_rows, d["taken"])
+        if isinstance(view, mix.EncodedView):
+            pieces = view.drawn_buckets(mask)
+            layouts = view.latent_layouts()
+        else:
+            pieces = iter([([square], np.zeros(d["taken"], np.int32))])
+            layouts = {square: (1, 4)}
+        for names, codes in pieces:
+            lookup = np.array([code.setdefault(n, len(code)) for n in names], np.int64)
+            rows = lookup[codes]
+            lo, hi = np.searchsorted(val, [offset, offset + len(rows)])
+            drawn.append(np.bincount(rows, minlength=len(code)))
+            held.append(np.bincount(rows[val[lo:hi] - offset], minlength=len(code)))
+            offset += len(rows)
+            for n, count in zip(
+                names, np.bincount(codes, minlength=len(names)).tolist(), strict=True
+            ):
+                views, channels = layouts[n]
+                width, height = (int(x) for x in n.split("x"))
+                latent_bytes += count * views * channels * (width // 8) * (height // 8) * 2
+    order = sorted(code, key=_bucket_order)
+    total, kept = np.zeros(len(code), np.int64), np.zeros(len(code), np.int64)
+    for a, b in zip(drawn, held, strict=True):
+        total[: len(a)] += a
+        kept[: len(a)] += a - b
+    at = np.array([code[n] for n in order], np.int64)
+    return order, total[at], kept[at], latent_bytes
+
+
+def _bucket_order(name: str) -> tuple[float, str]:
+    """Buckets by aspect ratio (width / height), as a plan lists them."""
+    width, height = (int(x) for x in name.split("x"))
+    return width / height, name
 
 
 def format_plan(plan: dict) -> str:
@@ -104,11 +214,43 @@ def format_plan(plan: dict) -> str:
         f"samples: {plan['num_samples']} ({plan['num_val_samples']} held out for validation)",
         f"steps: {plan['steps']} ({plan['epochs']} epochs, global batch {plan['global_batch']} "
         f"on {plan['world_size']} ranks)",
+        *_format_buckets(plan),
         f"disk: {plan['latents_gb']} GB of latents + {plan['tokens_gb']} GB of tokens "
         "(in the sources' folders; the phase set links to them)",
         f"ETA: {eta}",
     ]
     return "\n".join(lines)
+
+
+def _format_buckets(plan: dict) -> list[str]:
+    """The bucket occupancy table, and the buckets left out of the run."""
+    if not plan["buckets"]:
+        return ["buckets: none (nothing drawn)"]
+    if not plan["bucketed_sampler"]:
+        names = ", ".join(b["bucket"] for b in plan["buckets"])
+        return [
+            f"buckets: {names} (one bucket, no flips: {plan['batches_per_rank']} batches of "
+            f"{plan['bucket_batch'] // plan['world_size']} per rank per epoch)"
+        ]
+    lines = [
+        f"buckets (training rows; global batches of {plan['bucket_batch']} = "
+        f"{plan['bucket_batch'] // plan['world_size']} x {plan['world_size']} ranks):",
+        f"  {'bucket':<12}{'rows':>10}{'full':>8}{'last':>8}{'per rank/epoch':>16}",
+    ]
+    for b in plan["buckets"]:
+        mark = f"  left out: {b['left_out']}" if b["left_out"] else ""
+        lines.append(
+            f"  {b['bucket']:<12}{b['rows']:>10}{b['full_batches']:>8}{b['last_batch']:>8}"
+            f"{b['batches_per_rank']:>16}{mark}"
+        )
+    lines.append(f"  {'all':<12}{'':>10}{'':>8}{'':>8}{plan['batches_per_rank']:>16}")
+    small = plan["left_out"][SMALL_BUCKET]
+    if small["buckets"]:
+        lines.append(
+            f"left out ({SMALL_BUCKET}): {len(small['buckets'])} bucket(s), {small['samples']} "
+            f"samples, each under one global batch: {', '.join(small['buckets'])}"
+        )
+    return lines
 
 
 def _duration(seconds: float) -> str:

@@ -1,0 +1,41 @@
+"""How many global batches the bucketed sampler makes of each bucket in an epoch (numpy only).
+
+The rule (docs/training-data.md, "The sampler"): a bucket's training rows are cut into global
+batches of `batch_size x world_size`; the last, short batch is kept (split among the ranks,
+each at least one row) when at least `world_size` rows remain, else those rows join the
+bucket's previous batch; a bucket with fewer rows than one global batch is left out of the run
+(`small_bucket`). Every rank takes one slice of each global batch, so the global batches of an
+epoch are also each rank's batches (steps before gradient accumulation).
+
+`sdpipe plan` counts steps with it; the sampler (`sdtrain.data`) cuts its batches by it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SMALL_BUCKET = "small_bucket"
+
+
+def small_buckets(counts: np.ndarray, global_batch: int) -> np.ndarray:
+    """bool per bucket: fewer rows than one global batch (left out under `small_bucket`)."""
+    return np.asarray(counts, np.int64) < global_batch
+
+
+def batches_per_bucket(counts: np.ndarray, global_batch: int, world_size: int) -> np.ndarray:
+    """int64 global batches per epoch of each bucket (0 for a bucket left out)."""
+    if global_batch < 1 or world_size < 1 or global_batch % world_size:
+        raise ValueError(
+            f"global batch {global_batch} over {world_size} ranks: not a whole batch per rank"
+        )
+    counts = np.asarray(counts, np.int64)
+    full, left = np.divmod(counts, global_batch)
+    batches = full + (left >= world_size)
+    return np.where(small_buckets(counts, global_batch), 0, batches)
+
+
+def bucketed_batches(counts: np.ndarray, global_batch: int, world_size: int) -> int:
+    """Global batches of an epoch over all buckets (= each rank's batches per epoch): per
+    bucket with at least one global batch of rows, its full batches plus a short last batch
+    when its leftover rows are at least `world_size` (fewer join the previous batch)."""
+    return int(batches_per_bucket(counts, global_batch, world_size).sum())
