@@ -1099,7 +1099,7 @@ def latent_qa(
         picked = [c for c in chosen if c[0] == shard]
         data = read_images(root / source / "shards" / f"{shard}.tar", {k for _, _, k in picked})
         table = latent_keys.read(root, source, shard)
-        spec = latent_keys.spec_of(table)
+        spec = latent_keys.spec(table)
         # One decode per latents file (the legacy file, or each bucket's: one shape each).
         groups: dict[str | None, list[tuple[int, str]]] = {}
         for _, row, key in picked:

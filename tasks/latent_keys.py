@@ -111,12 +111,6 @@ def bucketed_table(
     )
 
 
-def spec_of(table: pa.Table) -> dict | None:
-    """The latent spec a keys file was written under; None for the legacy layout."""
-    raw = (table.schema.metadata or {}).get(SPEC_KEY)
-    return json.loads(raw) if raw else None
-
-
 def write_table(final: Path, table: pa.Table) -> None:
     with (
         atomic_path(final) as tmp,
@@ -197,14 +191,11 @@ def locate(table: pa.Table, row: int) -> tuple[str | None, int]:
     return table["bucket"][row].as_py(), int(table["bucket_row"][row].as_py())
 
 
-SPEC = b"latent_spec"
-
-
 def spec(table: pa.Table) -> dict | None:
     """The latent spec of a keys file encoded in buckets (`{"vae", "plan", "views", "channels"}`,
     its schema metadata `latent_spec`), or None for a legacy shard (no `bucket` column: one
     `NNNNN.npy` [N, 4, h, w]). A bucketed file without one is read as 1 view of 4 channels."""
     if "bucket" not in table.column_names:
         return None
-    recorded = (table.schema.metadata or {}).get(SPEC)
+    recorded = (table.schema.metadata or {}).get(SPEC_KEY)
     return json.loads(recorded) if recorded else {"views": 1, "channels": 4}

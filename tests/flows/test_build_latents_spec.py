@@ -47,7 +47,7 @@ def test_the_catalogs_spec_decides_the_layout_and_a_change_re_encodes(
     assert not list(latents.glob("[0-9][0-9][0-9][0-9][0-9].npy"))
     for r in records:
         table = latent_keys.read(root, "demo", r.shard)
-        assert latent_keys.spec_of(table) == spec.to_dict()
+        assert latent_keys.spec(table) == spec.to_dict()
         assert table.num_rows == r.num_out > 0
         for bucket, n in r.extra["buckets"].items():
             z = np.load(latent_keys.latents_path(root, "demo", r.shard, bucket), mmap_mode="r")

@@ -195,7 +195,7 @@ def test_a_bucketed_shard_writes_a_file_per_bucket_and_keys_that_index_them(
     assert (stats.num_in, stats.num_out) == (len(STORED) + 2, len(STORED))
     table, files = read_bucketed(tmp_path)
     assert table.schema.names == ["key", "token_row", "bucket", "bucket_row", "sha256"]
-    assert latent_keys.spec_of(table) == spec.to_dict() == stats.extra["latent_spec"]
+    assert latent_keys.spec(table) == spec.to_dict() == stats.extra["latent_spec"]
     # mix's checks of the keys against the tokens file read this layout too.
     assert latent_keys.tokens_unchanged(tmp_path, SOURCE, SHARD, table)
     assert latent_keys.tokens_match(tmp_path, SOURCE, SHARD, table)
@@ -425,6 +425,6 @@ def test_a_bucketed_shard_where_no_image_decodes_writes_zero_rows(tmp_path, buck
     assert stats.dropped == {"decode_error": 1} and stats.num_out == 0
     assert stats.extra["buckets"] == {} and stats.extra["latent_mean"] is None
     table = latent_keys.read(tmp_path, SOURCE, SHARD)
-    assert table.num_rows == 0 and latent_keys.spec_of(table) == spec.to_dict()
+    assert table.num_rows == 0 and latent_keys.spec(table) == spec.to_dict()
     assert not list((tmp_path / SOURCE / "latents").glob("*.npy"))
     assert encode.shard_done(tmp_path, SOURCE, SHARD, spec)
