@@ -138,7 +138,7 @@ def generate(root: Path, rows: int, shards: int, resolution: int, buckets: int =
                 table = table.append_column("bucket_row", bucket_row)
                 spec = {"vae": "bench", "plan": {}, "views": 1, "channels": 4}
                 table = table.replace_schema_metadata(
-                    {**table.schema.metadata, latent_keys.SPEC: json.dumps(spec).encode()}
+                    {**table.schema.metadata, latent_keys.SPEC_KEY: json.dumps(spec).encode()}
                 )
                 for name, count in zip(names, counts.tolist(), strict=True):
                     w, h = (int(x) // 8 for x in name.split("x"))

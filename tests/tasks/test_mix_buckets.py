@@ -64,7 +64,7 @@ def bucketed_source(
         table = table.append_column("bucket", pa.array(buckets, pa.string()))
         table = table.append_column("bucket_row", pa.array(bucket_rows, pa.int32()))
         table = table.append_column("sha256", pa.array([""] * n, pa.string()))
-        metadata = {**table.schema.metadata, latent_keys.SPEC: json.dumps(spec).encode()}
+        metadata = {**table.schema.metadata, latent_keys.SPEC_KEY: json.dumps(spec).encode()}
         latent_keys.write_table(
             latent_keys.path(root, source, shard), table.replace_schema_metadata(metadata)
         )
