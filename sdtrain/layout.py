@@ -205,3 +205,12 @@ def derived_index(folder: Path) -> tuple[list[dict], np.ndarray]:
         for name, n_latents, n_tokens in zip(names, latents.tolist(), tokens.tolist(), strict=True)
     ]
     return files, rows
+
+
+def npy_shape(path: Path) -> tuple[int, ...]:
+    """The shape an .npy file's header declares (its data is not read)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            return np.lib.format.read_array_header_1_0(f)[0]
+        return np.lib.format.read_array_header_2_0(f)[0]
