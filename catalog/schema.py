@@ -133,6 +133,8 @@ class Phase:
     gradient_checkpointing: bool | None = None
     latents_in_ram: bool | None = None
     num_val_samples: int | None = None  # rows held out of the mix for the validation loss
+    flip_p: float = 0.0  # probability a row is read mirrored (its source encodes flips then)
+    sample_latents: bool = True  # draw latents whose source keeps the posterior's log-variance
     checkpoint_every: int | None = None  # rolling `latest` checkpoint every N steps
     keep_every: int | None = None  # checkpoints kept forever every N steps
     validate_every: int | None = None  # validation loss + `best` checkpoint every N steps

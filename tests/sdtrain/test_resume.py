@@ -112,9 +112,9 @@ def test_resumed_epochs_continue_at_the_exact_next_sample(phase_dir):
             loader,
             sampler,
             start_epoch=start_epoch,
-            start_sample=start_sample,
+            start_done=start_sample,
             num_epochs=3,
-            samples_per_batch=8,
+            done_per_batch=8,
         )
         for epoch, done, batch, _ in batches:
             seen.append(batch.tolist())
