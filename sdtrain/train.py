@@ -58,6 +58,7 @@ from sdtrain.runtime import (
     build_optimizer,
     choose_numerics,
     configure_backends,
+    load_optimizer_state,
     rng_state,
     set_rng_state,
     setup_distributed,
@@ -324,7 +325,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
                     f"{resume_from}: written by a run with {key}={state['run_shape'][key]!r}, "
                     f"this run has {value!r}; resume with the same settings or use a new run_dir"
                 )
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(optimizer, state["optimizer"])
         lr_schedule.load_state_dict(state["lr_schedule"])
         scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"][rank if len(state["rng"]) == world_size else 0])
