@@ -405,9 +405,11 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
             bucket_names[b]: int(counts[b]) for b in np.flatnonzero(~kept & (counts > 0)).tolist()
         }
         self.buckets = {bucket_names[b]: int(counts[b]) for b in np.flatnonzero(kept).tolist()}
-        mine = kept[buckets]
-        kept_buckets = buckets[mine]
-        self.rows = np.asarray(rows, np.int32)[mine][np.argsort(kept_buckets, kind="stable")]
+        rows, buckets = np.asarray(rows, np.int32), np.asarray(buckets)
+        # The kept rows grouped by bucket, a bucket at a time (no int64 sort index per row).
+        self.rows = np.concatenate(
+            [rows[buckets == b] for b in np.flatnonzero(kept).tolist()] or [rows[:0]]
+        )
         self.counts = counts[kept]
         self.num_batches = bucketed_batches(counts, self.global_batch, world_size)
         self.epoch = 0
@@ -428,7 +430,8 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
         starts, sizes = [], []
         begin, size = 0, self.global_batch
         for count in self.counts.tolist():
-            order[begin : begin + count] = self.rows[begin : begin + count][rng.permutation(count)]
+            order[begin : begin + count] = self.rows[begin : begin + count]
+            rng.shuffle(order[begin : begin + count])  # in place: no int64 index per row
             full, rest = divmod(count, size)
             cut = np.full(full + (rest >= self.world_size), size, np.int64)
             if rest >= self.world_size:

@@ -5,10 +5,10 @@ What a run trains on, its networks' structure and its loss come from its mode
 
 Run as `torchrun --nproc_per_node=N -m sdtrain.train --config run.json`; a plain `python -m`
 run is a group of one, same code path. DDP wraps the model here, never in model code. A run
-resumes from `checkpoints/latest` at the exact next sample, on the same phase set (its
-manifest's digest is part of the run's shape); only rank 0 writes files. Every optimizer step
-the ranks agree, in one all-reduce, on whether to stop (a signal) and whether the step is
-non-finite (then skipped: no weight or EMA update).
+resumes from `checkpoints/latest` at the exact next sample (of a bucketed set: the next global
+batch), on the same phase set (its manifest's digest is part of the run's shape); only rank 0
+writes files. Every optimizer step the ranks agree, in one all-reduce, on whether to stop (a
+signal) and whether the step is non-finite (then skipped: no weight or EMA update).
 """
 
 from __future__ import annotations
