@@ -31,6 +31,8 @@ from sdtrain.monitor import read_log
 from sdtrain.runtime import build_optimizer, load_optimizer_state
 from sdtrain.train import TrainingInterrupted, epoch_batches, train
 
+from .conftest import bucket_latents, write_phase_set
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -312,3 +314,26 @@ def test_a_resumed_optimizer_updates_channels_last_weights_as_the_uninterrupted_
         step(resumed, optimizer, grads[1])
         same = torch.equal(resumed.detach(), uninterrupted)
         assert same == (restore is load_optimizer_state)  # as stored: another update
+
+
+def test_a_run_resumes_only_in_the_order_it_started_in(make_config, tmp_path):
+    """Turning flips on over a checkpoint of the epoch sampler's order is refused: its progress
+    counts samples, the bucketed sampler's counts batches of another order."""
+    rng = np.random.default_rng(3)
+    phase = write_phase_set(
+        tmp_path / "phase",
+        [{"name": "demo-00000.64x64", "latents": bucket_latents(rng, 16, 8, 8, channels=4),
+          "bucket": "64x64", "views": 2, "channels": 4}],
+    )  # fmt: skip
+    config = make_config(
+        tmp_path / "run", phase_dir=str(phase), max_steps=1, grad_accum=1, sample_every=0
+    )
+    assert train(config)["steps"] == 1  # one bucket, no flips: the epoch sampler
+    state = read_trainer_state(tmp_path / "run" / "checkpoints" / "latest", torch.device("cpu"))
+    assert state["samples_done"] == 8 and state["batches_done"] is None
+    with pytest.raises(
+        CheckpointError,
+        match="read its phase set in the epoch sampler's order, this run reads it in batches of "
+        "one bucket",
+    ):
+        train(dataclasses.replace(config, flip_p=0.5))
