@@ -234,3 +234,27 @@ def test_a_set_of_legacy_and_bucketed_files_reads_both(tmp_path):
     assert torch.equal(data[5][1], tokenize([caption("00000", 1)])[0])
     with pytest.raises(ValueError, match=r"asks flip_p .* \(1 of 2 files, e.g. latents/a-00000"):
         PhaseSet(folder, flip_p=0.1)
+
+
+def test_held_out_rows_of_several_buckets_are_scored_in_batches_of_one(bucketed_phase_dir):
+    """The per-row validation losses (eval's bands): rows of three shapes, each row's loss as
+    when it is scored alone, in the order asked."""
+    from catalog import load_catalog
+    from sdtrain.models import build_text_encoder, build_unet
+    from sdtrain.validation import row_losses
+
+    model = load_catalog().model("tiny")
+    unet, text_encoder = build_unet(model, seed=0).eval(), build_text_encoder(model).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():  # a UNet whose output is not zero (the init zeroes its last layers)
+        for p in unet.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    data = PhaseSet(bucketed_phase_dir)
+    rows = np.array([39, 10, 29, 13, 0, 25])  # 48x80, 64x64, 80x48, 64x64, 64x64, 80x48
+    settings = dict(seed=0, gamma=5.0, prediction_type="epsilon")
+    batched = row_losses(unet, text_encoder, data, rows, batch_size=16, **settings)
+    alone = [row_losses(unet, text_encoder, data, rows[i : i + 1], **settings) for i in range(6)]
+    assert batched.rows.tolist() == rows.tolist()
+    assert batched.timesteps.tolist() == [a.timesteps[0] for a in alone]
+    np.testing.assert_allclose(batched.mse, [a.mse[0] for a in alone], rtol=1e-5)
+    assert len(set(batched.mse.tolist())) == 6
