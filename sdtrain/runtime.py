@@ -83,9 +83,10 @@ def build_optimizer(
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """`optimizer.load_state_dict(state)`, each moment then laid out as its parameter is.
 
-    A checkpoint stores its tensors contiguous, and the fused AdamW kernel walks a parameter,
-    its gradient and its moments as flat memory: a channels_last parameter would be updated
-    with the moments of other elements (from the first step after a resume on).
+    A checkpoint stores its tensors contiguous, and fused AdamW needs a parameter's moments in
+    its layout: beside a channels_last parameter, the CPU kernel walks them as flat memory and
+    updates each weight with other elements' moments; the CUDA one (torch 2.11, H100) refuses
+    the step ("must have same dtype, device, and layout").
     """
     optimizer.load_state_dict(state)
     for group in optimizer.param_groups:
