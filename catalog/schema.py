@@ -129,9 +129,6 @@ class Phase:
     batch_size: int
     grad_accum: int = 1
     seed: int = 0
-    # Each training sample is mirrored (left-right) with this probability; above 0, encode
-    # stores each image's latents of the mirrored image too (docs/training-data.md).
-    flip_p: float = 0.0
     sample_prompts: tuple[str, ...] = ()  # prompts of the sample grids; empty: the trainer's
     # Training settings a phase may change; null keeps the base run config's value
     # (`sdtrain.config.TrainConfig`, which documents each).
@@ -145,6 +142,10 @@ class Phase:
     gradient_checkpointing: bool | None = None
     latents_in_ram: bool | None = None
     num_val_samples: int | None = None  # rows held out of the mix for the validation loss
+    # A row is read mirrored with this probability, per (seed, epoch, row); above 0, encode
+    # stores the latents of each image's mirror too (docs/training-data.md).
+    flip_p: float = 0.0
+    sample_latents: bool = True  # draw latents whose source keeps the posterior's log-variance
     checkpoint_every: int | None = None  # rolling `latest` checkpoint every N steps
     keep_every: int | None = None  # checkpoints kept forever every N steps
     validate_every: int | None = None  # validation loss + `best` checkpoint every N steps

@@ -100,6 +100,12 @@ class TrainConfig:
     load_threads: int = 16  # threads that read the latents into RAM
     num_workers: int = 0  # DataLoader workers per rank; a row is two array lookups
     num_val_samples: int = 1000  # rows held out of training for the validation loss
+    # Each row is read mirrored (its latents' view 1) with this probability, drawn per
+    # (seed, epoch, row); > 0 needs latents encoded with flips (docs/training-data.md).
+    flip_p: float = 0.0
+    # Latents that hold the posterior's log-variance are drawn (mean + std * eps, per (seed,
+    # epoch, row)); False: always the mean. Latents without it are always the mean.
+    sample_latents: bool = True
 
     # Checkpoints: a rolling `latest`, periodic ones kept, `best` by validation loss.
     checkpoint_every: int = 1500  # 0: only at the end and when interrupted
@@ -155,6 +161,8 @@ PHASE_OVERRIDES = (
     "gradient_checkpointing",
     "latents_in_ram",
     "num_val_samples",
+    "flip_p",
+    "sample_latents",
     "checkpoint_every",
     "keep_every",
     "validate_every",

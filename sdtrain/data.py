@@ -1,10 +1,16 @@
-"""A phase set as a map-style dataset, and the seeded per-epoch sampler that shards it over ranks.
+"""A phase set as a map-style dataset, and the seeded per-epoch samplers that shard it over ranks.
 
 Nothing is held per row but what mix wrote: the row index (`rows.npy`, int32 [N, 3]), latents
 and token ids (int32) are memory-mapped, so the ranks of a machine share one copy through the
 page cache; a row is three array lookups, widened to float32 / int64 as it is read. The order
 is a function of (seed, epoch) alone, so a resumed epoch starts at the exact next sample: none
 replayed, none skipped. Layout: `sdtrain.layout`.
+
+A set of several buckets (aspect ratios), or one its phase flips or draws latents from, is
+read through `BucketBatchSampler`: a batch holds one bucket, and its items are (row, epoch)
+pairs, so a row's flip and latent draw are seeded per (seed, epoch, row) with nothing held per
+row. A one-bucket set without either keeps `EpochSampler` and its order. The contract:
+docs/training-data.md ("Phase sets", "The sampler").
 """
 
 from __future__ import annotations
@@ -20,6 +26,32 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from sdtrain import layout
+from sdtrain.bucket_batches import SMALL_BUCKET, bucketed_batches
+from sdtrain.objective import FLIP_STREAM, LATENT_STREAM, ORDER_STREAM
+
+
+def bucket_name(latent_h: int, latent_w: int) -> str:
+    """The bucket ("WxH", pixels) of latents of these sides."""
+    return f"{latent_w * 8}x{latent_h * 8}"
+
+
+def latent_sides(bucket: str) -> tuple[int, int]:
+    """(h, w) of a bucket's latents."""
+    width, height = (int(side) for side in bucket.split("x"))
+    return height // 8, width // 8
+
+
+def flipped(seed: int, epoch: int, row: int, flip_p: float) -> bool:
+    """Whether `row` is read mirrored in `epoch`: a draw of its own per (seed, epoch, row)."""
+    if flip_p <= 0:
+        return False
+    return bool(np.random.default_rng((seed, FLIP_STREAM, epoch, row)).random() < flip_p)
+
+
+def latent_eps(seed: int, epoch: int, row: int, shape: tuple[int, ...]) -> np.ndarray:
+    """The standard normal draw of `row`'s latent in `epoch` (float32)."""
+    rng = np.random.default_rng((seed, LATENT_STREAM, epoch, row))
+    return rng.standard_normal(shape, dtype=np.float32)
 
 
 class PhaseSet(Dataset):
@@ -28,26 +60,108 @@ class PhaseSet(Dataset):
     Token ids come from `tokens/<file>.npy` (memory-mapped int32); a token file without one
     (tokenized by an older sdpipe) is read from its parquet into RAM, as int32, and its keys are
     checked against the manifest's.
+
+    Latent files are [N, 4, h, w] (legacy) or [n, V, C, h, w]: view 1 the mirrored image's,
+    channels 4..7 the log-variance of the scaled posterior. A file entry of `files.json` names
+    its `bucket`, `views` and `channels`; without a bucket they come from the file's header
+    (a set none of whose files names one, as mix wrote them before buckets, is taken to hold
+    its first file's shape throughout, each file checked when it is mapped: opening reads one
+    header, not one per shard).
+
+    An item is `set[row]` (view 0, the posterior mean: validation, the legacy order) or
+    `set[row, epoch]` (the bucketed sampler's): view 1 when `flipped(seed, epoch, row, flip_p)`,
+    and `mean + exp(logvar / 2) * eps` when the file holds the log-variance and the phase
+    `sample_latents`.
     """
 
-    def __init__(self, phase_dir: str | Path, *, in_ram: bool = False, num_threads: int = 16):
+    def __init__(
+        self,
+        phase_dir: str | Path,
+        *,
+        in_ram: bool = False,
+        num_threads: int = 16,
+        seed: int = 0,
+        flip_p: float = 0.0,
+        sample_latents: bool = True,
+        name: str = "",
+    ):
         phase_dir = Path(phase_dir)
+        if not 0 <= flip_p <= 1:
+            raise ValueError(f"flip_p={flip_p}: a probability, within [0, 1]")
         index = layout.mapped_index(phase_dir)
         files, self.rows = index if index is not None else layout.derived_index(phase_dir)
         self.names = [f["name"] for f in files]
+        self.seed, self.flip_p = seed, flip_p
+        latent_paths = [phase_dir / "latents" / f"{n}.npy" for n in self.names]
+        tails = self._describe(files, latent_paths)
         # Mapped on first use: opening reads no file (10,000 shards open in a blink).
-        self.latents = _Mapped(
-            [phase_dir / "latents" / f"{n}.npy" for n in self.names],
-            [f["latent_rows"] for f in files],
-        )
+        self.latents = _Mapped(latent_paths, [f["latent_rows"] for f in files], tails)
         token_files = [phase_dir / "tokens" / f"{n}.npy" for n in self.names]
         missing = [f for f, path in enumerate(token_files) if not path.exists()]
         self.tokens = _Mapped(token_files, [f["token_rows"] for f in files])
         if missing:
             self._read_token_parquets(phase_dir, missing)
-        self.in_ram = False  # True: one array of latents and one of ids, indexed by row
+        self.draws_latents = sample_latents and bool((self.file_channels == 8).any())
+        if flip_p > 0 and (self.file_views < 2).any():
+            unflipped = [self.names[f] for f in np.flatnonzero(self.file_views < 2).tolist()]
+            raise ValueError(
+                f"{name or phase_dir.name} asks flip_p but its latents hold no mirrored view "
+                f"({len(unflipped)} of {len(self.names)} files, e.g. latents/{unflipped[0]}.npy): "
+                "encode the source again (flips are encoded when a phase mixing it has flip_p > 0)"
+            )
+        self._bucket_of_row: np.ndarray | None = None
+        self.in_ram = False  # True: an array of latents per bucket and one of ids, by row
         if in_ram:
             self._load_into_ram(num_threads)
+
+    def _describe(self, files: list[dict], paths: list[Path]) -> list[tuple[int, ...]]:
+        """Each file's bucket, views and channels; returns the (V, C, h, w) its array must hold."""
+        named = any("bucket" in f for f in files)
+        tails, first = [], None
+        for entry, path in zip(files, paths, strict=True):
+            if "bucket" in entry:
+                h, w = latent_sides(entry["bucket"])
+                tail = (int(entry.get("views", 1)), int(entry.get("channels", 4)), h, w)
+            else:
+                if named or first is None:
+                    shape = tuple(layout.npy_shape(path))
+                    first = first or shape
+                else:
+                    shape = first
+                tail = shape[1:] if len(shape) == 5 else (1, *shape[1:])
+            tails.append(tuple(int(x) for x in tail))
+        buckets = [bucket_name(h, w) for _, _, h, w in tails]
+        self.bucket_names = sorted(set(buckets))
+        code = {b: i for i, b in enumerate(self.bucket_names)}
+        self.file_bucket = np.array([code[b] for b in buckets], np.int32)
+        self.file_views = np.array([t[0] for t in tails], np.int32)
+        self.file_channels = np.array([t[1] for t in tails], np.int32)
+        return tails
+
+    @property
+    def bucketed(self) -> bool:
+        """Read by `BucketBatchSampler`: several buckets, flips or latent draws."""
+        return len(self.bucket_names) > 1 or self.flip_p > 0 or self.draws_latents
+
+    @property
+    def bucket_of_row(self) -> np.ndarray:
+        """int32 [N]: each row's bucket (an index into `bucket_names`), gathered on first use."""
+        if self._bucket_of_row is None:
+            self._bucket_of_row = self.file_bucket[np.asarray(self.rows[:, 0])]
+        return self._bucket_of_row
+
+    def row_batches(self, rows: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
+        """Positions in `rows` in batches of one bucket each (of one bucket: consecutive)."""
+        if len(self.bucket_names) == 1:
+            for start in range(0, len(rows), batch_size):
+                yield np.arange(start, min(start + batch_size, len(rows)))
+            return
+        codes = self.bucket_of_row[np.asarray(rows)]
+        order = np.argsort(codes, kind="stable")
+        bounds = np.searchsorted(codes[order], np.arange(len(self.bucket_names) + 1))
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            for start in range(a, b, batch_size):
+                yield order[start : min(start + batch_size, b)]
 
     def _rows_by_file(self) -> list[np.ndarray]:
         """Each file's manifest rows (one stable sort of the file column, not a mask per file)."""
@@ -75,12 +189,24 @@ class PhaseSet(Dataset):
                 raise ValueError(f"{phase_dir}/tokens/{name}.parquet: keys differ from manifest")
 
     def _load_into_ram(self, num_threads: int) -> None:
-        """Gather every row's latent into one array, one file per thread (reads release the GIL).
+        """Gather every row's latent into its bucket's array, one file per thread (reads release
+        the GIL): only the views and channels the phase reads (a file without the log-variance
+        a bucket holds gets -inf there, a standard deviation of 0: its mean).
 
-        Token ids are gathered the same way; afterwards rows are read from these two arrays.
+        Token ids are gathered the same way; afterwards rows are read from these arrays.
         """
-        shape = self.latents[0].shape[1:]
-        latents = np.empty((len(self), *shape), dtype=self.latents[0].dtype)
+        views = 2 if self.flip_p > 0 else 1
+        channels = 8 if self.draws_latents else 4
+        codes = self.bucket_of_row
+        counts = np.bincount(codes, minlength=len(self.bucket_names))
+        order = np.argsort(codes, kind="stable")
+        position = np.empty(len(self), np.int32)  # a row's place in its bucket's array
+        position[order] = np.arange(len(self)) - np.repeat(np.cumsum(counts) - counts, counts)
+        dtype = self.latents[0].dtype
+        buckets = [
+            np.empty((n, views, channels, *latent_sides(name)), dtype=dtype)
+            for n, name in zip(counts.tolist(), self.bucket_names, strict=True)
+        ]
         tokens = np.empty((len(self), self.tokens[0].shape[1]), dtype=np.int32)
         rows_of_file = self._rows_by_file()
 
@@ -88,43 +214,68 @@ class PhaseSet(Dataset):
             rows = rows_of_file[f]
             latent_rows = np.asarray(self.rows[rows, 1])
             by_position = np.argsort(latent_rows)  # read each file front to back
-            latents[rows[by_position]] = self.latents[f][latent_rows[by_position]]
+            stored = self.latents[f][latent_rows[by_position]]
+            into, at = buckets[self.file_bucket[f]], position[rows[by_position]]
+            into[at, :, :4] = stored[:, :views, :4]
+            if channels == 8:
+                into[at, :, 4:] = stored[:, :views, 4:] if stored.shape[2] == 8 else -np.inf
             tokens[rows] = self.tokens[f][np.asarray(self.rows[rows, 2])]
 
         with ThreadPoolExecutor(max_workers=num_threads) as pool:
             list(pool.map(load, range(len(self.latents))))
-        self.latents, self.tokens = _Mapped.of(latents), _Mapped.of(tokens)
+        self.latents, self.tokens = _Mapped.of(*buckets), _Mapped.of(tokens)
+        self._ram_position = position
         self.in_ram = True
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _stored_latent(self, row: int) -> np.ndarray:
+        """The row's stored latents, [V, C, h, w]."""
         if self.in_ram:
-            latent, ids = self.latents[0][i], self.tokens[0][i]
+            return self.latents[int(self.bucket_of_row[row])][self._ram_position[row]]
+        f, latent_row = self.rows[row, :2].tolist()
+        return self.latents[f][latent_row]
+
+    def token_ids(self, row: int, epoch: int) -> np.ndarray:
+        """The row's token ids in `epoch`, int32 [77]: the ids stored by the tokenize stage."""
+        if self.in_ram:
+            return self.tokens[0][row]
+        f, _, token_row = self.rows[row].tolist()
+        return self.tokens[f][token_row]
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if isinstance(key, tuple):
+            row, epoch = int(key[0]), int(key[1])
         else:
-            f, latent_row, token_row = self.rows[i].tolist()
-            latent, ids = self.latents[f][latent_row], self.tokens[f][token_row]
-        return (
-            torch.from_numpy(latent.astype(np.float32)),
-            torch.from_numpy(ids.astype(np.int64)),
-            int(i),
-        )
+            row, epoch = int(key), None
+        stored = self._stored_latent(row)
+        view = int(epoch is not None and flipped(self.seed, epoch, row, self.flip_p))
+        latent = stored[view, :4].astype(np.float32)
+        if epoch is not None and self.draws_latents and stored.shape[1] == 8:
+            std = np.exp(stored[view, 4:].astype(np.float32) / 2)
+            latent += std * latent_eps(self.seed, epoch, row, latent.shape)
+        ids = self.token_ids(row, 0 if epoch is None else epoch)
+        return torch.from_numpy(latent), torch.from_numpy(ids.astype(np.int64)), row
 
 
 class _Mapped:
     """A phase set's arrays of one kind (latents or token ids), one per file, each memory-mapped
-    on first use and checked then to hold the rows the manifest reads."""
+    on first use and checked then to hold the rows the manifest reads. Latents (`tails` given)
+    are seen as [n, V, C, h, w] (a legacy [N, 4, h, w] file as V = 1) and checked to hold the
+    (V, C, h, w) the set's index says."""
 
-    def __init__(self, paths: list[Path], needed: list[int]):
-        self.paths, self.needed = paths, needed
+    def __init__(
+        self, paths: list[Path], needed: list[int], tails: list[tuple[int, ...]] | None = None
+    ):
+        self.paths, self.needed, self.tails = paths, needed, tails
         self.arrays: list[np.ndarray | None] = [None] * len(paths)
 
     @classmethod
-    def of(cls, array: np.ndarray) -> _Mapped:
-        """One array already in memory."""
+    def of(cls, *arrays: np.ndarray) -> _Mapped:
+        """Arrays already in memory."""
         mapped = cls([], [])
-        mapped.arrays = [array]
+        mapped.arrays = list(arrays)
         return mapped
 
     def __len__(self) -> int:
@@ -143,6 +294,15 @@ class _Mapped:
                     f"{path} has {len(array)} rows, the manifest reads row {self.needed[f] - 1}: "
                     "its source changed since the mix; mix the phase again"
                 )
+            if self.tails is not None:
+                if array.ndim == 4:
+                    array = array.reshape(len(array), 1, *array.shape[1:])
+                if array.shape[1:] != self.tails[f]:
+                    raise ValueError(
+                        f"{path} holds latents [n, V, C, h, w] = {list(array.shape)}, the phase "
+                        f"set's index says (V, C, h, w) = {self.tails[f]}: its source changed "
+                        "since the mix; mix the phase again"
+                    )
             self.arrays[f] = array
         return array
 
@@ -199,3 +359,89 @@ class EpochSampler(Sampler[int]):
         """The indices as Python ints, a block at a time (never a list of the whole epoch)."""
         for block in indices.split(1 << 16):
             yield from block.tolist()
+
+
+class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
+    """This rank's batches of an epoch, each of one bucket, as lists of (row, epoch).
+
+    Per epoch, seeded by (seed, epoch): each bucket's rows are permuted and cut into global
+    batches of batch_size x world_size (`bucketed_batches`); the batches of all buckets are
+    shuffled together, and rank r takes its slice of each: the rows split as evenly as the
+    count allows, at least one each. Every row of a kept bucket once per epoch, ranks disjoint,
+    every rank the same number of batches. A bucket with fewer rows than one global batch is
+    left out (`left_out`: bucket -> rows, reason `small_bucket`). `start` (set_epoch) counts
+    the global batches of the epoch already done; `len` is what remains.
+
+    Held: the kept rows grouped by bucket (int32), and an epoch's order of them while it runs.
+    """
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        buckets: np.ndarray,
+        bucket_names: list[str],
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.global_batch = batch_size * world_size
+        counts = np.bincount(buckets, minlength=len(bucket_names))
+        kept = counts >= self.global_batch
+        self.left_out = {
+            bucket_names[b]: int(counts[b]) for b in np.flatnonzero(~kept & (counts > 0)).tolist()
+        }
+        self.buckets = {bucket_names[b]: int(counts[b]) for b in np.flatnonzero(kept).tolist()}
+        rows, buckets = np.asarray(rows, np.int32), np.asarray(buckets)
+        # The kept rows grouped by bucket, a bucket at a time (no int64 sort index per row).
+        self.rows = np.concatenate(
+            [rows[buckets == b] for b in np.flatnonzero(kept).tolist()] or [rows[:0]]
+        )
+        self.counts = counts[kept]
+        self.num_batches = bucketed_batches(counts, self.global_batch, world_size)
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch = epoch
+        self.start = start
+
+    def __len__(self) -> int:
+        return self.num_batches - self.start
+
+    def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows in the epoch's order, int32; each global batch's start and size in it, in the
+        order the batches are taken)."""
+        rng = np.random.default_rng((self.seed, ORDER_STREAM, epoch))
+        order = np.empty_like(self.rows)
+        starts, sizes = [], []
+        begin, size = 0, self.global_batch
+        for count in self.counts.tolist():
+            order[begin : begin + count] = self.rows[begin : begin + count]
+            rng.shuffle(order[begin : begin + count])  # in place: no int64 index per row
+            full, rest = divmod(count, size)
+            cut = np.full(full + (rest >= self.world_size), size, np.int64)
+            if rest >= self.world_size:
+                cut[-1] = rest  # a short batch of its own, split among the ranks
+            elif rest:
+                cut[-1] += rest  # too few for every rank: they join the previous batch
+            starts.append(begin + np.cumsum(cut) - cut)
+            sizes.append(cut)
+            begin += count
+        starts = np.concatenate(starts) if starts else np.empty(0, np.int64)
+        sizes = np.concatenate(sizes) if sizes else np.empty(0, np.int64)
+        taken = rng.permutation(len(sizes))
+        return order, starts[taken], sizes[taken]
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        order, starts, sizes = self.plan(self.epoch)
+        rank, world_size, epoch = self.rank, self.world_size, self.epoch
+        for start, size in zip(
+            starts[self.start :].tolist(), sizes[self.start :].tolist(), strict=True
+        ):
+            base, extra = divmod(size, world_size)
+            low = start + rank * base + min(rank, extra)
+            high = low + base + (rank < extra)
+            yield [(row, epoch) for row in order[low:high].tolist()]

@@ -251,14 +251,7 @@ def derived_index(folder: Path) -> tuple[list[dict], np.ndarray]:
 def latent_layout(path: Path) -> tuple[str, int, int]:
     """(bucket "WxH", views, channels) of a latents file, from its .npy header alone: a legacy
     [N, C, h, w] array is one view; a bucket's [n, V, C, H/8, W/8] array has V views."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = (
-            np.lib.format.read_array_header_1_0
-            if version == (1, 0)
-            else np.lib.format.read_array_header_2_0
-        )
-        shape = read_header(f)[0]
+    shape = npy_shape(path)
     if len(shape) == 4:
         views, channels = 1, shape[1]
     elif len(shape) == 5:
@@ -327,3 +320,12 @@ def bucket_counts(
     names, file_bucket = _file_buckets(files)
     per_bucket = np.bincount(file_bucket, weights=per_file, minlength=len(names))
     return {name: int(n) for name, n in zip(names, per_bucket.tolist(), strict=True)}
+
+
+def npy_shape(path: Path) -> tuple[int, ...]:
+    """The shape an .npy file's header declares (its data is not read)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            return np.lib.format.read_array_header_1_0(f)[0]
+        return np.lib.format.read_array_header_2_0(f)[0]

@@ -29,12 +29,23 @@ class PhaseMode:
         self.text_encoder = self.empty_emb = None
 
     def dataset(self) -> PhaseSet:
-        """Rows as (latent, input_ids, row); `latent_shape` is set from it."""
+        """Rows as (latent, input_ids, row); `latent_shape` (of the sample grids) is set from it:
+        its latents' shape, or the model's square when the set holds several buckets."""
         config = self.config
         data = PhaseSet(
-            config.phase_dir, in_ram=config.latents_in_ram, num_threads=config.load_threads
+            config.phase_dir,
+            in_ram=config.latents_in_ram,
+            num_threads=config.load_threads,
+            seed=config.seed,
+            flip_p=config.flip_p,
+            sample_latents=config.sample_latents,
+            name=config.phase,
         )
-        self.latent_shape = tuple(data[0][0].shape)
+        if len(data.bucket_names) == 1:
+            self.latent_shape = tuple(data[0][0].shape)
+        else:
+            side = self.model.resolution // 8
+            self.latent_shape = (4, side, side)
         return data
 
     def build_unet(self, *, resuming: bool) -> torch.nn.Module:
@@ -64,7 +75,7 @@ class PhaseMode:
             rows,
             seed=config.seed,
             epoch=epoch,
-            latent_shape=self.latent_shape,
+            latent_shape=tuple(latents.shape[1:]),  # a batch's bucket
             cfg_dropout=config.cfg_dropout,
             offset_noise=config.offset_noise,
         )

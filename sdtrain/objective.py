@@ -21,6 +21,9 @@ NOISE_SCHEDULE = {
     "num_train_timesteps": 1000,
 }
 TRAIN_STREAM, VALIDATION_STREAM = 0, 1
+# The data's own draws (sdtrain.data): a row's flip and latent draw per (seed, stream, epoch,
+# row), an epoch's batch order per (seed, stream, epoch). 2 is inpainting's masks (inpaint.py).
+FLIP_STREAM, LATENT_STREAM, ORDER_STREAM = 3, 4, 5
 
 
 def alphas_cumprod(device: torch.device | str = "cpu") -> torch.Tensor:

@@ -80,6 +80,24 @@ def build_optimizer(
         return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`, each moment then laid out as its parameter is.
+
+    A checkpoint stores its tensors contiguous, and fused AdamW needs a parameter's moments in
+    its layout: beside a channels_last parameter, the CPU kernel walks them as flat memory and
+    updates each weight with other elements' moments; the CUDA one (torch 2.11, H100) refuses
+    the step ("must have same dtype, device, and layout").
+    """
+    optimizer.load_state_dict(state)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            moments = optimizer.state.get(p, {})
+            for name, value in moments.items():
+                moment = torch.is_tensor(value) and value.shape == p.shape  # not the step count
+                if moment and value.stride() != p.stride():
+                    moments[name] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
 def rng_state() -> dict:
     state = {
         "python": random.getstate(),

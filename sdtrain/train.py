@@ -5,10 +5,10 @@ What a run trains on, its networks' structure and its loss come from its mode
 
 Run as `torchrun --nproc_per_node=N -m sdtrain.train --config run.json`; a plain `python -m`
 run is a group of one, same code path. DDP wraps the model here, never in model code. A run
-resumes from `checkpoints/latest` at the exact next sample, on the same phase set (its
-manifest's digest is part of the run's shape); only rank 0 writes files. Every optimizer step
-the ranks agree, in one all-reduce, on whether to stop (a signal) and whether the step is
-non-finite (then skipped: no weight or EMA update).
+resumes from `checkpoints/latest` at the exact next sample (of a bucketed set: the next global
+batch), on the same phase set (its manifest's digest is part of the run's shape); only rank 0
+writes files. Every optimizer step the ranks agree, in one all-reduce, on whether to stop (a
+signal) and whether the step is non-finite (then skipped: no weight or EMA update).
 """
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ from sdtrain.checkpoint import (
     write_checkpoint,
 )
 from sdtrain.config import TrainConfig
-from sdtrain.data import EpochSampler, PhaseSet, split_rows
+from sdtrain.data import (
+    SMALL_BUCKET,
+    BucketBatchSampler,
+    EpochSampler,
+    PhaseSet,
+    split_rows,
+)
 from sdtrain.ema import EMA
 from sdtrain.models import build_text_encoder, build_vae
 from sdtrain.modes import mode_for
@@ -52,6 +58,7 @@ from sdtrain.runtime import (
     build_optimizer,
     choose_numerics,
     configure_backends,
+    load_optimizer_state,
     rng_state,
     set_rng_state,
     setup_distributed,
@@ -78,16 +85,20 @@ def manifest_digest(phase_dir: str | Path) -> str:
 
 def epoch_batches(
     loader: DataLoader,
-    sampler: EpochSampler,
+    sampler: EpochSampler | BucketBatchSampler,
     *,
     start_epoch: int,
-    start_sample: int,
+    start_done: int,
     num_epochs: int,
-    samples_per_batch: int,
+    done_per_batch: int,
 ) -> Iterator[tuple[int, int, list, float]]:
-    """(epoch, samples of the epoch consumed once this batch is, batch, seconds waited for it)."""
+    """(epoch, the epoch's progress once this batch is consumed, batch, seconds waited for it).
+
+    Progress is in the sampler's unit: samples of all ranks (`EpochSampler`, `done_per_batch`
+    = batch_size x world_size), or global batches (`BucketBatchSampler`, 1).
+    """
     for epoch in range(start_epoch, num_epochs):
-        done = start_sample if epoch == start_epoch else 0
+        done = start_done if epoch == start_epoch else 0
         sampler.set_epoch(epoch, done)
         batches = iter(loader)
         while True:
@@ -95,8 +106,17 @@ def epoch_batches(
             batch = next(batches, None)
             if batch is None:
                 break
-            done += samples_per_batch
+            done += done_per_batch
             yield epoch, done, batch, time.perf_counter() - waited
+
+
+def row_batches(dataset, rows: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:
+    """Positions in `rows` in batches whose latents stack: of one bucket each (a phase set)."""
+    if isinstance(dataset, PhaseSet):
+        yield from dataset.row_batches(rows, batch_size)
+        return
+    for start in range(0, len(rows), batch_size):
+        yield np.arange(start, min(start + batch_size, len(rows)))
 
 
 @torch.no_grad()
@@ -108,8 +128,8 @@ def validation_loss(
     device = next(unet.parameters()).device
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, row count
     my_rows = rows[rank::world_size]
-    for start in range(0, len(my_rows), config.batch_size):
-        items = [phase_set[int(i)] for i in my_rows[start : start + config.batch_size]]
+    for positions in row_batches(phase_set, my_rows, config.batch_size):
+        items = [phase_set[int(i)] for i in my_rows[positions]]
         latents = torch.stack([latent for latent, _, _ in items]).to(device)
         input_ids = torch.stack([ids for _, ids, _ in items]).to(device)
         row_ids = torch.tensor([i for _, _, i in items])
@@ -174,23 +194,50 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
     # Data: validation rows held out by a seeded draw; the rest in a per-epoch seeded order.
     phase_set = mode.dataset()
     train_rows, val_rows = split_rows(len(phase_set), config.num_val_samples, config.seed)
-    sampler = EpochSampler(len(train_rows), seed=config.seed, rank=rank, world_size=world_size)
-    loader = DataLoader(
-        Subset(phase_set, train_rows),  # an array: no Python int per row
-        batch_size=config.batch_size,
-        sampler=sampler,
-        drop_last=True,  # equal micro-batches on every rank and every step
+    # Several buckets, flips or latent draws: batches of one bucket, items (row, epoch).
+    bucketed = isinstance(phase_set, PhaseSet) and phase_set.bucketed
+    loading = dict(
         num_workers=config.num_workers,
         pin_memory=device.type == "cuda",
         persistent_workers=config.num_workers > 0,
     )
+    if bucketed:
+        sampler = BucketBatchSampler(
+            train_rows,
+            phase_set.bucket_of_row[train_rows],
+            phase_set.bucket_names,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            rank=rank,
+            world_size=world_size,
+        )
+        loader = DataLoader(phase_set, batch_sampler=sampler, **loading)
+        left_out = sum(sampler.left_out.values())
+        if left_out and rank == 0:
+            print(
+                f"left out {left_out} training rows under {SMALL_BUCKET} (buckets with fewer "
+                f"than one global batch of {sampler.global_batch}): "
+                + ", ".join(f"{b} ({n})" for b, n in sampler.left_out.items()),
+                flush=True,
+            )
+    else:
+        sampler = EpochSampler(len(train_rows), seed=config.seed, rank=rank, world_size=world_size)
+        loader = DataLoader(
+            Subset(phase_set, train_rows),  # an array: no Python int per row
+            batch_size=config.batch_size,
+            sampler=sampler,
+            drop_last=True,  # equal micro-batches on every rank and every step
+            **loading,
+        )
     total_steps = total_optimizer_steps(
         len(loader), epochs=config.epochs, grad_accum=config.grad_accum, max_steps=config.max_steps
     )
     if total_steps == 0:
+        small = f" ({sum(sampler.left_out.values())} in buckets too small)" if bucketed else ""
         raise ValueError(
-            f"{config.phase_dir}: {len(train_rows)} training rows give no optimizer step at "
-            f"batch_size {config.batch_size} x {world_size} ranks x grad_accum {config.grad_accum}"
+            f"{config.phase_dir}: {len(train_rows)} training rows{small} give no optimizer step "
+            f"at batch_size {config.batch_size} x {world_size} ranks x grad_accum "
+            f"{config.grad_accum}"
         )
     global_batch = config.batch_size * world_size * config.grad_accum
 
@@ -257,7 +304,10 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         "prediction_type": config.prediction_type,
         "manifest_sha256": manifest_digest(config.phase_dir),
     }
-    step, epoch, samples_done, best_val_loss = 0, 0, 0, float("inf")
+    if bucketed:  # the same count is the same cut of the same buckets into global batches
+        run_shape["batches_per_epoch"] = sampler.num_batches
+    # The epoch's progress: samples (EpochSampler) or global batches (BucketBatchSampler).
+    step, epoch, done, best_val_loss = 0, 0, 0, float("inf")
     num_nonfinite = 0
     if state is not None:
         for key, value in run_shape.items():
@@ -275,11 +325,21 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
                     f"{resume_from}: written by a run with {key}={state['run_shape'][key]!r}, "
                     f"this run has {value!r}; resume with the same settings or use a new run_dir"
                 )
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(optimizer, state["optimizer"])
         lr_schedule.load_state_dict(state["lr_schedule"])
         scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"][rank if len(state["rng"]) == world_size else 0])
-        step, epoch, samples_done = state["step"], state["epoch"], state["samples_done"]
+        was_bucketed = state.get("batches_done") is not None  # older checkpoints: never
+        if was_bucketed != bucketed:
+            orders = ("in the epoch sampler's order", "in batches of one bucket")
+            raise CheckpointError(
+                f"{resume_from}: written by a run that read its phase set "
+                f"{orders[was_bucketed]}, this run reads it {orders[bucketed]} (flip_p, "
+                "sample_latents or the set's buckets changed); resume with the same settings "
+                "or use a new run_dir"
+            )
+        step, epoch = state["step"], state["epoch"]
+        done = state["batches_done"] if bucketed else state["samples_done"]
         best_val_loss = state["best_val_loss"]
         num_nonfinite = state.get("num_nonfinite", 0)
     resumed_from_step = step
@@ -312,7 +372,8 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             trainer={
                 "step": step,
                 "epoch": epoch,
-                "samples_done": samples_done,
+                "samples_done": None if bucketed else done,
+                "batches_done": done if bucketed else None,
                 "best_val_loss": best_val_loss,
                 "optimizer": optimizer.state_dict(),
                 "lr_schedule": lr_schedule.state_dict(),
@@ -338,9 +399,9 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
         loader,
         sampler,
         start_epoch=epoch,
-        start_sample=samples_done,
+        start_done=done,
         num_epochs=config.epochs,
-        samples_per_batch=config.batch_size * world_size,
+        done_per_batch=1 if bucketed else config.batch_size * world_size,
     )
     with stop.installed():
         try:
@@ -398,7 +459,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
                 step += 1
                 if not nonfinite and ema.due(step):
                     ema.update(unet, step)
-                epoch, samples_done = batch_epoch, batch_done
+                epoch, done = batch_epoch, batch_done
                 consistent = True
                 window_steps += 1
                 if nonfinite_in_a_row >= config.max_nonfinite_steps:
@@ -504,6 +565,10 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             "sample_grid": str(grid_path),
             "seconds": round(time.perf_counter() - started, 3),
         }
+        if bucketed:  # training rows per bucket, and those left out, by reason
+            summary["buckets"] = sampler.buckets
+            summary["left_out"] = {SMALL_BUCKET: sum(sampler.left_out.values())}
+            summary["small_buckets"] = sampler.left_out
         write_json_atomic(run_dir / "summary.json", summary)
     return summary
 

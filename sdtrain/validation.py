@@ -63,12 +63,15 @@ def row_losses(
     prediction_type: str,
     batch_size: int = 16,
 ) -> RowLosses:
-    """The losses of `rows` as the trainer's validation computes them, one row each."""
+    """The losses of `rows` as the trainer's validation computes them, one row each (batched
+    by bucket: latents of several shapes do not stack)."""
     device = next(unet.parameters()).device
     alpha_bar = alphas_cumprod(device)
-    timesteps_out, mse_out = [], []
-    for start in range(0, len(rows), batch_size):
-        items = [phase_set[int(i)] for i in rows[start : start + batch_size]]
+    rows = np.asarray(rows)
+    timesteps_out = np.zeros(len(rows), np.int64)
+    mse_out = np.zeros(len(rows), np.float64)
+    for positions in phase_set.row_batches(rows, batch_size):
+        items = [phase_set[int(i)] for i in rows[positions]]
         latents = torch.stack([latent for latent, _, _ in items]).to(device)
         input_ids = torch.stack([ids for _, ids, _ in items]).to(device)
         noise, timesteps, _ = draw_noise(
@@ -86,13 +89,14 @@ def row_losses(
             target = noise
         pred = unet(noisy, timesteps, encode_text(text_encoder, input_ids)).sample
         mse = F.mse_loss(pred.float(), target, reduction="none").mean(dim=(1, 2, 3))
-        timesteps_out.append(timesteps.cpu())
-        mse_out.append(mse.double().cpu())
-    timesteps = torch.cat(timesteps_out) if timesteps_out else torch.zeros(0, dtype=torch.int64)
-    weight = min_snr_weights(timesteps.to(device), alpha_bar, gamma, prediction_type)
+        timesteps_out[positions] = timesteps.cpu().numpy()
+        mse_out[positions] = mse.double().cpu().numpy()
+    weight = min_snr_weights(
+        torch.from_numpy(timesteps_out).to(device), alpha_bar, gamma, prediction_type
+    )
     return RowLosses(
-        rows=np.asarray(rows, np.int64),
-        timesteps=timesteps.numpy(),
-        mse=torch.cat(mse_out).numpy() if mse_out else np.zeros(0),
+        rows=rows.astype(np.int64),
+        timesteps=timesteps_out,
+        mse=mse_out,
         weight=weight.double().cpu().numpy(),
     )

@@ -3,11 +3,16 @@
 The runs are the same training twice: 2 gloo ranks x batch 4 under torchrun (with channels_last
 and gradient checkpointing, as on a GPU), and 1 in-process rank x batch 8. Each is 6 optimizer
 steps of 2 micro-batches over 28 training rows (4 held out), crossing epoch boundaries.
+
+Beside it, a 40-row bucketed phase set (three buckets, one too small to train on, flips
+encoded, some files with the posterior's log-variance) and one in-process run of it with
+flips on: the reference of the bucketed resume and DDP tests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -93,6 +98,80 @@ def phase_dir(tmp_path_factory):
     return phase
 
 
+def write_phase_set(folder, files: list[dict]):
+    """A phase set as mix writes one of buckets (docs/training-data.md "Phase sets"), by hand.
+
+    Each file: `name`, `latents` (array [n, V, C, h, w], or legacy [N, 4, h, w]), optional
+    `bucket`, `views`, `channels` for its files.json entry; row i of each file, in file order,
+    is a manifest row, token ids of `caption(shard, i)`.
+    """
+    (folder / "latents").mkdir(parents=True)
+    (folder / "tokens").mkdir()
+    manifest = {k: [] for k in ("dataset", "source", "shard", "latent_row", "token_row", "key")}
+    manifest["bucket"] = []
+    rows, entries = [], {}
+    for f, spec in enumerate(files):
+        name, latents = spec["name"], spec["latents"]
+        source, rest = name.split("-", 1)
+        shard, _, bucket = rest.partition(".")
+        np.save(folder / "latents" / f"{name}.npy", latents)
+        ids = tokenize([caption(shard, i) for i in range(len(latents))]).to(torch.int32)
+        np.save(folder / "tokens" / f"{name}.npy", ids.numpy())
+        for i in range(len(latents)):
+            manifest["dataset"].append(source)
+            manifest["source"].append(source)
+            manifest["shard"].append(shard)
+            manifest["latent_row"].append(i)
+            manifest["token_row"].append(i)
+            manifest["key"].append(f"{source}/{shard}/{bucket}/{i:04d}")
+            manifest["bucket"].append(bucket)
+            rows.append((f, i, i))
+        entries[name] = {k: spec[k] for k in ("bucket", "views", "channels") if k in spec}
+    pq.write_table(pa.table(manifest), folder / "manifest.parquet")
+    layout.write_index(folder, [f["name"] for f in files], np.array(rows, np.int32))
+    meta = json.loads((folder / layout.FILES).read_text())
+    for entry in meta["files"]:
+        entry.update(entries[entry["name"]])
+    (folder / layout.FILES).write_text(json.dumps(meta))
+    return folder
+
+
+def bucket_latents(rng, n: int, h: int, w: int, *, channels: int) -> np.ndarray:
+    """fp16 [n, 2, channels, h, w]: view 1 the mirror of view 0 (as the VAE's latents of a
+    mirrored image nearly are); channels 4..7 a log-variance around log(0.01)."""
+    mean = rng.standard_normal((n, 4, h, w)) * 0.8
+    stored = mean if channels == 4 else np.concatenate([mean, rng.normal(-4.6, 0.3, mean.shape)], 1)
+    return np.stack([stored, stored[..., ::-1]], axis=1).astype(np.float16)
+
+
+# The bucketed set: 12 + 10 rows of 64x64 (8 x 8 latents), 15 of 80x48 (6 x 10), 3 of 48x80
+# (10 x 6). Seed 0 holds out rows 10, 13, 29, 39: 20, 14 and 2 training rows. At a global batch
+# of 8, 64x64 gives 2 full batches and one of 4, 80x48 one full and one of 6, and 48x80 is left
+# out (small_bucket): 5 batches an epoch, each split evenly over 1 or 2 ranks.
+BUCKETED_FILES = (
+    ("demo-00000.64x64", 12, 8, 8, 4),
+    ("demo-00001.64x64", 10, 8, 8, 8),
+    ("demo-00000.80x48", 15, 6, 10, 8),
+    ("demo-00001.48x80", 3, 10, 6, 4),
+)
+
+
+@pytest.fixture(scope="session")
+def bucketed_phase_dir(tmp_path_factory):
+    rng = np.random.default_rng(1)
+    files = [
+        {
+            "name": name,
+            "latents": bucket_latents(rng, n, h, w, channels=channels),
+            "bucket": name.split(".")[1],
+            "views": 2,
+            "channels": channels,
+        }
+        for name, n, h, w, channels in BUCKETED_FILES
+    ]
+    return write_phase_set(tmp_path_factory.mktemp("bucketed") / "phase", files)
+
+
 @pytest.fixture(scope="session")
 def make_config(phase_dir):
     def make(run_dir, **overrides) -> TrainConfig:
@@ -118,6 +197,24 @@ def two_rank_run(make_config, tmp_path_factory):
     lines: list[str] = []
     summary = launch_training(config, nproc=2, on_line=lines.append)
     return config, summary, lines
+
+
+@pytest.fixture(scope="session")
+def make_bucketed_config(make_config, bucketed_phase_dir):
+    def make(run_dir, **overrides) -> TrainConfig:
+        return make_config(run_dir, phase_dir=str(bucketed_phase_dir), flip_p=0.5, **overrides)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def bucketed_one_rank_run(make_bucketed_config, tmp_path_factory):
+    """(config, summary) of a run on the bucketed set, flips on, in this process."""
+    from sdtrain.train import train
+
+    config = make_bucketed_config(tmp_path_factory.mktemp("bucketed-1-rank"), sample_every=0)
+    with one_torch_thread():
+        return config, train(config)
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from sdtrain import modes
 from sdtrain import train as train_module
@@ -21,12 +22,16 @@ from sdtrain.checkpoint import (
     CheckpointError,
     KeepPolicy,
     load_weights,
+    read_trainer_state,
     strip_prefixes,
     verify_checkpoint,
 )
-from sdtrain.data import EpochSampler
+from sdtrain.data import BucketBatchSampler, EpochSampler
 from sdtrain.monitor import read_log
-from sdtrain.train import epoch_batches, train
+from sdtrain.runtime import build_optimizer, load_optimizer_state
+from sdtrain.train import TrainingInterrupted, epoch_batches, train
+
+from .conftest import bucket_latents, write_phase_set
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,9 +117,9 @@ def test_resumed_epochs_continue_at_the_exact_next_sample(phase_dir):
             loader,
             sampler,
             start_epoch=start_epoch,
-            start_sample=start_sample,
+            start_done=start_sample,
             num_epochs=3,
-            samples_per_batch=8,
+            done_per_batch=8,
         )
         for epoch, done, batch, _ in batches:
             seen.append(batch.tolist())
@@ -129,6 +134,85 @@ def test_resumed_epochs_continue_at_the_exact_next_sample(phase_dir):
             head, (epoch, done) = run(rank, stop_after=k)
             tail, _ = run(rank, start_epoch=epoch, start_sample=done)
             assert head + tail == full
+
+
+class _Rows(Dataset):
+    """The row of a (row, epoch) item: what the bucketed sampler hands a phase set."""
+
+    def __getitem__(self, key):
+        return key[0]
+
+
+def test_resumed_bucketed_epochs_continue_at_the_exact_next_batch():
+    """The same with batches of one bucket, resumed at a count of global batches."""
+    buckets = np.repeat(np.arange(3, dtype=np.int32), [20, 13, 9])
+    rows = np.arange(len(buckets), dtype=np.int32) * 3
+
+    def run(rank, *, start_epoch=0, start_done=0, stop_after=None):
+        sampler = BucketBatchSampler(
+            rows, buckets, ["512x512", "576x448", "448x576"], batch_size=4, seed=3, rank=rank,
+            world_size=2,
+        )  # fmt: skip
+        loader = DataLoader(_Rows(), batch_sampler=sampler)
+        seen = []
+        batches = epoch_batches(
+            loader,
+            sampler,
+            start_epoch=start_epoch,
+            start_done=start_done,
+            num_epochs=3,
+            done_per_batch=1,
+        )
+        for epoch, done, batch, _ in batches:
+            seen.append(batch.tolist())
+            if len(seen) == stop_after:
+                return seen, (epoch, done)
+        return seen, None
+
+    for rank in (0, 1):
+        full, _ = run(rank)
+        assert len(full) == 3 * (3 + 2 + 1)  # 20 rows: 2 + a short one; 13: 1 + short; 9: 1
+        for k in range(1, len(full)):
+            head, (epoch, done) = run(rank, stop_after=k)
+            tail, _ = run(rank, start_epoch=epoch, start_done=done)
+            assert head + tail == full
+
+
+def test_a_bucketed_flipped_run_resumes_mid_epoch_bitwise(
+    bucketed_one_rank_run, make_bucketed_config, tmp_path, monkeypatch
+):
+    """Buckets, flips and latent draws on: a run stopped in its second epoch resumes at the next
+    global batch, with every step's loss, gradient norm and rows as the uninterrupted run's."""
+    reference, reference_summary = bucketed_one_rank_run
+    assert reference_summary["left_out"] == {"small_bucket": 2}
+    assert reference_summary["small_buckets"] == {"48x80": 2}
+    assert reference_summary["buckets"] == {"64x64": 20, "80x48": 14}
+    config = make_bucketed_config(tmp_path, sample_every=0)
+    calls = []
+    draw_noise = train_module.draw_noise
+
+    def signalled_draw_noise(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:  # the first micro-batch of step 3: a cancel arrives
+            os.kill(os.getpid(), signal.SIGTERM)
+        return draw_noise(*args, **kwargs)
+
+    for module in (train_module, modes):
+        monkeypatch.setattr(module, "draw_noise", signalled_draw_noise)
+    with pytest.raises(TrainingInterrupted, match="at step 3/6"):
+        train(config)
+    state = read_trainer_state(tmp_path / "checkpoints" / "latest", torch.device("cpu"))
+    # 5 batches an epoch: step 3's second micro-batch is the epoch's second batch.
+    assert (state["epoch"], state["batches_done"], state["samples_done"]) == (1, 1, None)
+    assert state["run_shape"]["batches_per_epoch"] == 5
+    for module in (train_module, modes):
+        monkeypatch.setattr(module, "draw_noise", draw_noise)
+
+    summary = train(config)
+    assert summary["resumed_from_step"] == 3 and summary["steps"] == 6
+    assert per_step(config.run_dir) == per_step(reference.run_dir)
+    assert_same_weights(config.run_dir, reference.run_dir)
+    assert summary["best_val_loss"] == reference_summary["best_val_loss"]
 
 
 def test_keep_policy_rolls_latest_keeps_periodic_and_best(make_config, tmp_path):
@@ -191,3 +275,65 @@ def test_weights_load_whatever_wrapper_saved_them(tmp_path):
     torch.save(wrapped, tmp_path / "w.pt")
     assert load_weights(tmp_path / "w.safetensors").keys() == strip_prefixes(wrapped).keys()
     assert load_weights(tmp_path / "w.pt").keys() == strip_prefixes(wrapped).keys()
+
+
+def test_a_resumed_optimizer_updates_channels_last_weights_as_the_uninterrupted_one(
+    make_config, tmp_path
+):
+    """A checkpoint stores the moments contiguous; the fused AdamW kernel reads them as flat
+    memory beside a channels_last weight: restored as stored, they pair with other elements."""
+    weight = torch.randn(8, 4, 3, 3, generator=torch.Generator().manual_seed(0))
+    grads = [torch.randn(weight.shape, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+
+    def param_and_optimizer():
+        param = torch.nn.Parameter(weight.clone().to(memory_format=torch.channels_last))
+        return param, build_optimizer([param], lr=0.1, betas=(0.9, 0.999), eps=1e-8,
+                                      weight_decay=0.01)  # fmt: skip
+
+    def step(param, optimizer, grad):
+        param.grad = grad.to(memory_format=torch.channels_last)
+        optimizer.step()
+
+    param, optimizer = param_and_optimizer()
+    for grad in grads:
+        step(param, optimizer, grad)
+    uninterrupted = param.detach().clone()
+
+    param, optimizer = param_and_optimizer()
+    step(param, optimizer, grads[0])
+    checkpoints = CheckpointDir(tmp_path, KeepPolicy(checkpoint_every=1, keep_every=0))
+    saved = checkpoints.save(
+        1, unet={"w": param.detach()}, unet_ema={"w": param.detach()},
+        config=make_config(tmp_path), trainer={"optimizer": optimizer.state_dict()},
+    )  # fmt: skip
+    for restore in (lambda o, s: o.load_state_dict(s), load_optimizer_state):
+        resumed, optimizer = param_and_optimizer()
+        with torch.no_grad():
+            resumed.copy_(param)
+        restore(optimizer, read_trainer_state(saved, torch.device("cpu"))["optimizer"])
+        step(resumed, optimizer, grads[1])
+        same = torch.equal(resumed.detach(), uninterrupted)
+        assert same == (restore is load_optimizer_state)  # as stored: another update
+
+
+def test_a_run_resumes_only_in_the_order_it_started_in(make_config, tmp_path):
+    """Turning flips on over a checkpoint of the epoch sampler's order is refused: its progress
+    counts samples, the bucketed sampler's counts batches of another order."""
+    rng = np.random.default_rng(3)
+    phase = write_phase_set(
+        tmp_path / "phase",
+        [{"name": "demo-00000.64x64", "latents": bucket_latents(rng, 16, 8, 8, channels=4),
+          "bucket": "64x64", "views": 2, "channels": 4}],
+    )  # fmt: skip
+    config = make_config(
+        tmp_path / "run", phase_dir=str(phase), max_steps=1, grad_accum=1, sample_every=0
+    )
+    assert train(config)["steps"] == 1  # one bucket, no flips: the epoch sampler
+    state = read_trainer_state(tmp_path / "run" / "checkpoints" / "latest", torch.device("cpu"))
+    assert state["samples_done"] == 8 and state["batches_done"] is None
+    with pytest.raises(
+        CheckpointError,
+        match="read its phase set in the epoch sampler's order, this run reads it in batches of "
+        "one bucket",
+    ):
+        train(dataclasses.replace(config, flip_p=0.5))

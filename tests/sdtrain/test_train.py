@@ -144,6 +144,60 @@ def test_two_ranks_match_one_process_on_the_full_batch(two_rank_run, one_rank_ru
     assert two_summary["best_val_loss"] == pytest.approx(one_summary["best_val_loss"], rel=1e-5)
 
 
+class _Stop(Exception):
+    """The caller's cancel: launch_training passes a SIGTERM to torchrun's ranks."""
+
+
+def test_a_bucketed_flipped_run_on_two_ranks_resumes_and_takes_the_one_process_steps(
+    bucketed_one_rank_run, make_bucketed_config, tmp_path
+):
+    """Buckets, flips and latent draws on 2 gloo ranks x batch 4, cancelled mid-epoch and
+    resumed: every step as 1 process x batch 8 takes it uninterrupted (each global batch is
+    split evenly, so the averaged gradients are the full batch's)."""
+    reference, reference_summary = bucketed_one_rank_run
+    config = make_bucketed_config(
+        tmp_path,
+        batch_size=4,
+        sample_every=0,
+        channels_last=True,
+        gradient_checkpointing=True,
+        deterministic=False,
+    )
+    lines: list[str] = []
+
+    def stop_at_step_3(line: str) -> None:
+        lines.append(line)
+        if line.startswith("step 3/6"):
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        launch_training(config, nproc=2, on_line=stop_at_step_3)
+    stopped = int(os.readlink(tmp_path / "checkpoints" / "latest")[5:])
+    assert 3 <= stopped < 6
+    summary = launch_training(config, nproc=2, on_line=lines.append)
+    assert summary["resumed_from_step"] == stopped and summary["steps"] == 6
+    assert summary["left_out"] == {"small_bucket": 2}
+    assert summary["small_buckets"] == {"48x80": 2}
+    assert summary["buckets"] == {"64x64": 20, "80x48": 14}
+    assert any(
+        "left out 2 training rows under small_bucket" in line and "48x80 (2)" in line
+        for line in lines
+    )
+    logged, expected = losses(tmp_path), losses(reference.run_dir)
+    assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(logged, expected, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert summary["best_val_loss"] == pytest.approx(reference_summary["best_val_loss"], rel=1e-5)
+    for name in ("unet", "unet_ema"):
+        w2, w1 = (
+            load_file(Path(r) / "final" / f"{name}.safetensors")
+            for r in (tmp_path, reference.run_dir)
+        )
+        for key in w1:
+            torch.testing.assert_close(w2[key], w1[key], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("carry", [True, False])
 def test_next_phase_starts_from_live_and_ema_weights(one_rank_run, make_config, tmp_path, carry):
     """Phase chaining: live and EMA weights carry over, and the EMA's age unless the phase says
