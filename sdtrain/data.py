@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from sdtrain import layout
-from sdtrain.bucket_batches import SMALL_BUCKET, bucketed_batches
+from sdtrain.bucket_batches import bucketed_batches
 from sdtrain.objective import FLIP_STREAM, LATENT_STREAM, ORDER_STREAM
 
 

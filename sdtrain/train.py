@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
 from catalog import load_catalog
+from sdtrain.bucket_batches import SMALL_BUCKET
 from sdtrain.checkpoint import (
     CheckpointDir,
     CheckpointError,
@@ -42,7 +43,6 @@ from sdtrain.checkpoint import (
 )
 from sdtrain.config import TrainConfig
 from sdtrain.data import (
-    SMALL_BUCKET,
     BucketBatchSampler,
     EpochSampler,
     PhaseSet,

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from sdtrain import layout
+from sdtrain.bucket_batches import SMALL_BUCKET, bucketed_batches
 from sdtrain.data import (
-    SMALL_BUCKET,
     BucketBatchSampler,
     PhaseSet,
-    bucketed_batches,
     flipped,
     split_rows,
 )
