@@ -27,6 +27,7 @@ from torch.utils.data import Dataset, Sampler
 
 from sdtrain import layout
 from sdtrain.bucket_batches import bucketed_batches
+from sdtrain.captions import TrainTimeCaptions
 from sdtrain.objective import FLIP_STREAM, LATENT_STREAM, ORDER_STREAM
 
 
@@ -83,6 +84,7 @@ class PhaseSet(Dataset):
         seed: int = 0,
         flip_p: float = 0.0,
         sample_latents: bool = True,
+        captions: TrainTimeCaptions | None = None,
         name: str = "",
     ):
         phase_dir = Path(phase_dir)
@@ -92,6 +94,7 @@ class PhaseSet(Dataset):
         files, self.rows = index if index is not None else layout.derived_index(phase_dir)
         self.names = [f["name"] for f in files]
         self.seed, self.flip_p = seed, flip_p
+        self.captions = captions  # train-time captions (sdtrain.captions): ids drawn per epoch
         latent_paths = [phase_dir / "latents" / f"{n}.npy" for n in self.names]
         tails = self._describe(files, latent_paths)
         # Mapped on first use: opening reads no file (10,000 shards open in a blink).
@@ -140,8 +143,14 @@ class PhaseSet(Dataset):
 
     @property
     def bucketed(self) -> bool:
-        """Read by `BucketBatchSampler`: several buckets, flips or latent draws."""
-        return len(self.bucket_names) > 1 or self.flip_p > 0 or self.draws_latents
+        """Read by `BucketBatchSampler`: several buckets, flips, latent draws or train-time
+        captions (each needs the epoch with the row, which only that sampler gives)."""
+        return (
+            len(self.bucket_names) > 1
+            or self.flip_p > 0
+            or self.draws_latents
+            or self.captions is not None
+        )
 
     @property
     def bucket_of_row(self) -> np.ndarray:
@@ -237,8 +246,12 @@ class PhaseSet(Dataset):
         f, latent_row = self.rows[row, :2].tolist()
         return self.latents[f][latent_row]
 
-    def token_ids(self, row: int, epoch: int) -> np.ndarray:
-        """The row's token ids in `epoch`, int32 [77]: the ids stored by the tokenize stage."""
+    def token_ids(self, row: int, epoch: int | None) -> np.ndarray:
+        """The row's token ids in `epoch`, int32 [77]: drawn from its captions for the epoch when
+        the phase tokenizes at train time, else (and without an epoch: validation, evaluation)
+        the ids stored by the tokenize stage."""
+        if self.captions is not None and epoch is not None:
+            return self.captions.ids(row, epoch)
         if self.in_ram:
             return self.tokens[0][row]
         f, _, token_row = self.rows[row].tolist()
@@ -255,7 +268,7 @@ class PhaseSet(Dataset):
         if epoch is not None and self.draws_latents and stored.shape[1] == 8:
             std = np.exp(stored[view, 4:].astype(np.float32) / 2)
             latent += std * latent_eps(self.seed, epoch, row, latent.shape)
-        ids = self.token_ids(row, 0 if epoch is None else epoch)
+        ids = self.token_ids(row, epoch)
         return torch.from_numpy(latent), torch.from_numpy(ids.astype(np.int64)), row
 
 

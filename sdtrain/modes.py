@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from catalog import Model
+from sdtrain import captions
 from sdtrain.config import TrainConfig
 from sdtrain.data import PhaseSet
 from sdtrain.models import build_unet, tokenize
@@ -39,6 +40,7 @@ class PhaseMode:
             seed=config.seed,
             flip_p=config.flip_p,
             sample_latents=config.sample_latents,
+            captions=captions.for_run(config),
             name=config.phase,
         )
         if len(data.bucket_names) == 1:

@@ -257,3 +257,31 @@ def test_held_out_rows_of_several_buckets_are_scored_in_batches_of_one(bucketed_
     assert batched.timesteps.tolist() == [a.timesteps[0] for a in alone]
     np.testing.assert_allclose(batched.mse, [a.mse[0] for a in alone], rtol=1e-5)
     assert len(set(batched.mse.tolist())) == 6
+
+
+def test_a_phase_set_with_train_time_captions_reads_the_epochs_ids(tmp_path, bucketed_phase_dir):
+    """Train-time captions plug into the rows the sampler gives (row, epoch); a row read
+    without an epoch (validation, evaluation) keeps the ids the tokenize stage stored."""
+    import shutil
+
+    import pyarrow as pa
+
+    from sdtrain.captions import CAPTIONS, CaptionSettings, TrainTimeCaptions
+
+    phase = tmp_path / "phase"
+    shutil.copytree(bucketed_phase_dir, phase, symlinks=True)
+    num_rows = len(PhaseSet(phase))
+    tags = [[f"row{i}, red, blue, green, sky", f"another caption {i}"] for i in range(num_rows)]
+    table = pa.table({"captions": pa.array(tags, pa.list_(pa.string()))})
+    with pa.OSFile(str(phase / CAPTIONS), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+    captions = TrainTimeCaptions(phase, CaptionSettings(shuffle_tags_p=1.0, keep_tokens=1), 3)
+    data = PhaseSet(phase, seed=3, captions=captions)
+    plain = PhaseSet(phase, seed=3)
+    assert data.bucketed  # the epoch must reach the row: the bucketed sampler gives it
+    for row in (0, 7, num_rows - 1):
+        _, ids, _ = data[row, 2]
+        assert ids.tolist() == captions.ids(row, 2).tolist()
+        assert data[row][1].tolist() == plain[row][1].tolist()  # no epoch: the stored ids
+    epochs = {tuple(data[5, e][1].tolist()) for e in range(6)}
+    assert len(epochs) > 1  # another caption, or another tag order, per epoch
