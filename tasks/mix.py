@@ -473,6 +473,9 @@ def phase_set_for_run(root: Path, catalog: Catalog, phase: Phase) -> dict:
     existing = root / "phases" / phase.name
     if run_has_checkpoints(root, phase.name) and (existing / "manifest.parquet").is_file():
         report = json.loads((existing / "mix.json").read_text())
+        if phase.train_time_captions and not (existing / captions.CAPTIONS).is_file():
+            # The phase turned train-time captions on since: the same rows, their text added.
+            captions.write_captions(existing, root=root)
         return {**report, "reused": True}
     return {**build_phase_set(root, catalog, phase), "reused": False}
 

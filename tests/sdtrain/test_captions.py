@@ -189,6 +189,15 @@ def test_mix_writes_captions_for_a_phase_that_tokenizes_at_train_time(tmp_path, 
     captions = TrainTimeCaptions(phase_dir)
     assert len(captions) == len(keys) == 21
     assert [captions.caption(i, 0) for i in range(21)] == [f"caption of {k}" for k in keys]
+    # A run with checkpoints keeps its set; turning train-time captions on adds their text only.
+    (phase_dir / cap.CAPTIONS).unlink()
+    (tmp_path / "runs" / "p1" / "checkpoints" / "step-00000010").mkdir(parents=True)
+    manifest = (phase_dir / "manifest.parquet").read_bytes()
+    report = mix.phase_set_for_run(
+        tmp_path, catalog(tmp_path), phase(*entries, train_time_captions=True)
+    )
+    assert report["reused"] and (phase_dir / "manifest.parquet").read_bytes() == manifest
+    assert TrainTimeCaptions(phase_dir).caption(20, 0) == f"caption of {keys[20]}"
 
 
 def test_tokenizer_throughput(tagged, capsys):
