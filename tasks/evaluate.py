@@ -302,7 +302,8 @@ def _fid(root, held_out, features, generated, reference_dir, spec, previous, log
         val = fid.Moments.empty(generated.shape[1])
         for (source, shard), keys in sorted(held_out.by_shard(held_out.val_rows).items()):
             images = eval_metrics.read_shard_images(root, source, shard, set(keys))
-            batch = [images[k] for k in keys if k in images]
+            # Shards keep each image's aspect; FID compares the squares the model makes.
+            batch = [fid.center_square(images[k]) for k in keys if k in images]
             for i in range(0, len(batch), 32):
                 val.add(features(batch[i : i + 32]))
         report["num_validation"] = val.count

@@ -84,7 +84,7 @@ def test_fid_is_against_the_held_out_rows_images(evaluated):
     features = fid.FIDFeatures("", CPU, random_weights=True)
     generated, held_out = fid.Moments.empty(), fid.Moments.empty()
     generated.add(np.load(out / evaluate.FEATURES))
-    held_out.add(features([images[k] for k in sorted(keys)]))
+    held_out.add(features([fid.center_square(images[k]) for k in sorted(keys)]))
     assert summary["fid"]["num_validation"] == eval_data.NUM_VAL
     assert summary["metrics"]["all"]["fid"] == pytest.approx(fid.fid(generated, held_out))
     assert summary["metrics"]["all"]["fid"] > 0
