@@ -67,6 +67,14 @@ def format_summary(root: Path, port: int, seconds: float) -> str:
         f"checkpoint: {summary['checkpoint']}",
         f"sample grid: {summary['sample_grid']}",
     ]
+    if buckets := summary.get("buckets"):  # a bucketed set: training rows per aspect bucket
+        left = sum(summary.get("left_out", {}).values())
+        lines.insert(
+            -2,
+            "aspect buckets (training rows): "
+            + ", ".join(f"{name} {rows}" for name, rows in buckets.items())
+            + (f"; {left} rows left out (small_bucket)" if left else ""),
+        )
     if scores := eval_report.read_summary(root, "demo"):
         lines += [
             "",
