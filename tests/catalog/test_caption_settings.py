@@ -53,11 +53,17 @@ TAGGED_PHASE = """  train_time_captions: true
 """
 
 
+def tag_demo(path):
+    """The demo phase (train-time captions on already) with seed 002's tag settings."""
+    edit_entry(path, "demo", "  train_time_captions: true\n", "")
+    edit_entry(path, "demo", "  grad_accum: 1\n", "  grad_accum: 1\n" + TAGGED_PHASE)
+
+
 def test_a_phase_with_train_time_captions_reaches_the_run_config(catalog_copy):
     from sdtrain.config import run_config_for_phase
 
     path = catalog_copy / "phases.yaml"
-    edit_entry(path, "demo", "  grad_accum: 1\n", "  grad_accum: 1\n" + TAGGED_PHASE)
+    tag_demo(path)
     phase = load_catalog(catalog_copy).phase("demo")
     config = run_config_for_phase(phase, phase_dir="p", run_dir="r")
     settings = ("train_time_captions", "shuffle_tags_p", "keep_tokens", "tag_separator")
@@ -90,7 +96,7 @@ def test_a_phase_with_train_time_captions_reaches_the_run_config(catalog_copy):
 )
 def test_bad_caption_settings_name_the_phase_and_field(catalog_copy, old, new, error):
     path = catalog_copy / "phases.yaml"
-    edit_entry(path, "demo", "  grad_accum: 1\n", "  grad_accum: 1\n" + TAGGED_PHASE)
+    tag_demo(path)
     edit_entry(path, "demo", old, new)
     with pytest.raises(CatalogError, match=error):
         load_catalog(catalog_copy)
