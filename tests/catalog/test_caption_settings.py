@@ -104,6 +104,7 @@ def test_bad_caption_settings_name_the_phase_and_field(catalog_copy, old, new, e
 
 def test_keep_tokens_alone_needs_train_time_captions(catalog_copy):
     path = catalog_copy / "phases.yaml"
+    edit_entry(path, "demo", "  train_time_captions: true\n", "")
     edit_entry(path, "demo", "  grad_accum: 1\n", "  grad_accum: 1\n  keep_tokens: 1\n")
     with pytest.raises(CatalogError, match=r"demo\.keep_tokens: caption augmentation needs"):
         load_catalog(catalog_copy)
