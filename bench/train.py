@@ -8,8 +8,8 @@ Issue 20's data paths (docs/training-data.md):
 - `--train-time-captions`: the phase set gets tag captions (one to three per row) and
   `captions.arrow`; after the runs, the loader's data path is timed over the same batches with
   the stored ids and with train-time captions (`sdtrain.captions`: drawn, shuffled, dropped,
-  tokenized per batch in the collate, and per item as a dataset's `token_ids(row, epoch)`
-  would), and the data wait it adds is reported as a share of the measured step.
+  tokenized per batch in the loader's collate, and one call per caption), and the data wait it
+  adds is reported as a share of the measured step.
 - `--buckets`: the phase set is written as mix writes a bucketed one (a latent file per
   bucket, [n, 1, 4, h, w], `files.json` naming bucket/views/channels, the manifest's
   `bucket`) and the loop reads it with the bucketed sampler (a batch per bucket).
@@ -212,43 +212,40 @@ def write_buckets(phase: Path, plan, num_rows: int, rng: np.random.Generator) ->
 
 
 def bench_captions(args, phase: Path, step_s: float) -> dict:
-    """The loader's seconds per batch with stored ids and with train-time captions, over the
-    epoch's first batches in a seeded order, and the share of a step the captions would add.
+    """The loader's seconds per batch with stored ids and with train-time captions, over an
+    epoch's batches of one bucket each in a seeded order, and the share of a step the captions
+    add (`step_s`: the measured seconds of a step without data wait; the loader runs on the
+    training thread, num_workers 0, so its time adds to each step).
 
-    `step_s`: the measured seconds of a step without data wait. Train-time tokenization runs
-    in the loader (num_workers 0: on the training thread), so its time is added to each step.
+    Train-time captions are timed as the trainer reads them (`PhaseSet` items (row, epoch)
+    through `sdtrain.data.collate`, the batch tokenized in one call) and one call per caption.
     """
-    import torch
-
     from sdtrain.captions import CaptionSettings, TrainTimeCaptions
-    from sdtrain.data import PhaseSet
+    from sdtrain.data import PhaseSet, collate
 
-    data = PhaseSet(phase)
     settings = CaptionSettings(shuffle_tags_p=0.5, keep_tokens=1, tag_dropout=0.1)
     captions = TrainTimeCaptions(phase, settings, seed=0)
-    order = np.random.default_rng(0).permutation(len(data))
-    batches = [order[i : i + args.batch_size] for i in range(0, len(order), args.batch_size)]
-    batches = [b for b in batches if len(b) == args.batch_size] or [order]
-    captions.ids_batch(batches[0], 0)  # the tokenizer is built once per process, not timed
-
-    def items(rows) -> list:
-        return [data[int(r)] for r in rows]
+    stored_set, text_set = PhaseSet(phase), PhaseSet(phase, captions=captions)
+    rng = np.random.default_rng(0)
+    batches = []
+    for bucket in range(len(stored_set.bucket_names)):
+        rows = rng.permutation(np.flatnonzero(stored_set.bucket_of_row == bucket))
+        batches += [rows[i : i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+    batches = [b for b in batches if len(b) == args.batch_size]
+    collate([text_set[int(batches[0][0]), 0]])  # the tokenizer is built once per process
 
     def stored(rows, epoch):
-        got = items(rows)
-        return torch.stack([x[0] for x in got]), torch.stack([x[1] for x in got])
+        return collate([stored_set[int(r)] for r in rows])
 
-    def collate(rows, epoch):  # the whole batch tokenized at once (the contract's collate)
-        latents = torch.stack([x[0] for x in items(rows)])
-        return latents, torch.from_numpy(captions.ids_batch(rows, epoch).astype(np.int64))
+    def batched(rows, epoch):
+        return collate([text_set[int(r), epoch] for r in rows])
 
-    def per_item(rows, epoch):  # as a dataset's token_ids(row, epoch) would call it
-        got = items(rows)
-        ids = [torch.from_numpy(captions.ids(int(r), epoch).astype(np.int64)) for r in rows]
-        return torch.stack([x[0] for x in got]), torch.stack(ids)
+    def per_item(rows, epoch):
+        items = [stored_set[int(r)] for r in rows]
+        return [captions.ids(int(r), epoch) for r in rows], collate(items)
 
     timings = {}
-    for name, load in (("stored", stored), ("collate", collate), ("per_item", per_item)):
+    for name, load in (("stored", stored), ("collate", batched), ("per_item", per_item)):
         best = float("inf")
         for repeat in range(args.repeats):
             started = time.perf_counter()

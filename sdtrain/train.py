@@ -46,6 +46,7 @@ from sdtrain.data import (
     BucketBatchSampler,
     EpochSampler,
     PhaseSet,
+    collate,
     split_rows,
 )
 from sdtrain.ema import EMA
@@ -211,7 +212,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             rank=rank,
             world_size=world_size,
         )
-        loader = DataLoader(phase_set, batch_sampler=sampler, **loading)
+        loader = DataLoader(phase_set, batch_sampler=sampler, collate_fn=collate, **loading)
         left_out = sum(sampler.left_out.values())
         if left_out and rank == 0:
             print(

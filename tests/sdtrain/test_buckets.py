@@ -16,6 +16,7 @@ from sdtrain.bucket_batches import SMALL_BUCKET, bucketed_batches
 from sdtrain.data import (
     BucketBatchSampler,
     PhaseSet,
+    collate,
     flipped,
     split_rows,
 )
@@ -279,9 +280,12 @@ def test_a_phase_set_with_train_time_captions_reads_the_epochs_ids(tmp_path, buc
     data = PhaseSet(phase, seed=3, captions=captions)
     plain = PhaseSet(phase, seed=3)
     assert data.bucketed  # the epoch must reach the row: the bucketed sampler gives it
-    for row in (0, 7, num_rows - 1):
-        _, ids, _ = data[row, 2]
-        assert ids.tolist() == captions.ids(row, 2).tolist()
+    rows = np.flatnonzero(data.bucket_of_row == data.bucket_of_row[-1])[:3].tolist()  # one bucket
+    latents, ids, got = collate([data[row, 2] for row in rows])  # the loader's batch
+    assert ids.dtype == torch.int64 and got.tolist() == rows
+    assert ids.tolist() == [captions.ids(row, 2).tolist() for row in rows]
+    assert latents.shape[0] == 3
+    for row in rows:
         assert data[row][1].tolist() == plain[row][1].tolist()  # no epoch: the stored ids
-    epochs = {tuple(data[5, e][1].tolist()) for e in range(6)}
+    epochs = {tuple(collate([data[5, e]])[1][0].tolist()) for e in range(6)}
     assert len(epochs) > 1  # another caption, or another tag order, per epoch
