@@ -4,6 +4,8 @@ to the legacy catalog re-encodes every shard, though the earlier run's tasks are
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
@@ -17,6 +19,22 @@ pytestmark = pytest.mark.slow
 PLAN = {"area": 64 * 64, "step": 16, "min_side": 32, "max_side": 128, "max_aspect": 2}
 
 
+def edit_catalog(folder: Path, *, buckets: dict | None, flip_p: float | None, sampling: bool):
+    """The tiny model's bucket plan, the demo phase's flip_p and the demo source's
+    latent_sampling set (None: the field removed)."""
+    for file, entry, field, value in (
+        ("models.yaml", "tiny", "buckets", buckets),
+        ("phases.yaml", "demo", "flip_p", flip_p),
+        ("sources.yaml", "demo", "latent_sampling", sampling),
+    ):
+        data = yaml.safe_load((folder / file).read_text())
+        data[entry].pop(field, None)
+        if value is not None:
+            data[entry][field] = value
+        (folder / file).write_text(yaml.safe_dump(data))
+    return folder
+
+
 def test_the_catalogs_spec_decides_the_layout_and_a_change_re_encodes(
     prefect_stack, tmp_path, monkeypatch
 ):
@@ -25,14 +43,15 @@ def test_the_catalogs_spec_decides_the_layout_and_a_change_re_encodes(
     from catalog import load_catalog
     from flows.build_latents import build_latents
 
-    legacy = write_small_catalog(tmp_path / "legacy")
-    flipped = write_small_catalog(tmp_path / "flipped")
-    models = yaml.safe_load((flipped / "models.yaml").read_text())
-    models["tiny"]["buckets"] = PLAN
-    (flipped / "models.yaml").write_text(yaml.safe_dump(models))
-    phases = yaml.safe_load((flipped / "phases.yaml").read_text())
-    phases["demo"]["flip_p"] = 0.5
-    (flipped / "phases.yaml").write_text(yaml.safe_dump(phases))
+    # The shipped demo trains on buckets with flips and latent sampling: both catalogs say
+    # theirs. legacy: no plan, no flips, no log-variance; flipped: PLAN and flips, no
+    # log-variance (4 channels).
+    legacy = edit_catalog(
+        write_small_catalog(tmp_path / "legacy"), buckets=None, flip_p=None, sampling=False
+    )
+    flipped = edit_catalog(
+        write_small_catalog(tmp_path / "flipped"), buckets=PLAN, flip_p=0.5, sampling=False
+    )
     root = tmp_path / "data"
     latents = root / "demo" / "latents"
 

@@ -55,11 +55,23 @@ def _executed_and_cached(task_runs: list, attempt: int) -> tuple[set[str], set[s
     return executed, cached
 
 
+def outputs(latents: Path, but: str) -> dict[str, int]:
+    """mtime of each shard's latents files (`NNNNN.npy`, or `NNNNN.WxH.npy` per bucket) and
+    keys file, but those of shard `but`."""
+    return {
+        p.name: p.stat().st_mtime_ns
+        for p in latents.glob("[0-9]*")
+        if p.is_file() and p.name.endswith((".npy", ".keys.arrow"))
+        if not p.name.startswith(f"{but}.")
+    }
+
+
 def test_retry_reruns_only_the_failed_shard(prefect_stack):
     root, port = prefect_stack
     latents = root / "demo" / "latents"
-    # A real fault: a directory squats on shard 00001's output name, so its rename fails.
-    blocker = latents / "00001.npy"
+    # A real fault: a directory squats on shard 00001's keys file, so its rename fails (in
+    # either layout, the last output written before the record: after its latents files).
+    blocker = latents / "00001.keys.arrow"
     blocker.mkdir(parents=True)
 
     run = local.prefect_cli(
@@ -72,8 +84,9 @@ def test_retry_reruns_only_the_failed_shard(prefect_stack):
 
     first_executed, _ = _executed_and_cached(_task_runs(flow_run_id, port), 1)
     assert "encode-demo-00000" in first_executed and "fetch-images-demo-00000" in first_executed
-    done_before = {p.name: p.stat().st_mtime_ns for p in latents.glob("*.npy") if p.is_file()}
-    assert "00001.npy" not in done_before and len(done_before) >= 2
+    done_before = outputs(latents, but="00001")
+    assert not (latents / "00001.stats.json").exists()
+    assert len({name.split(".")[0] for name in done_before}) >= 2
 
     blocker.rmdir()
     retry = local.prefect_cli(["flow-run", "retry", flow_run_id], root, port)
@@ -92,7 +105,7 @@ def test_retry_reruns_only_the_failed_shard(prefect_stack):
         "encode-demo-00000",
     } <= cached
     # The other shards' outputs were not rewritten; the failed one now exists.
-    done_after = {p.name: p.stat().st_mtime_ns for p in latents.glob("*.npy")}
-    assert {k: done_after[k] for k in done_before} == done_before
-    assert (latents / "00001.npy").is_file() and (latents / "00001.stats.json").is_file()
+    assert outputs(latents, but="00001") == done_before
+    assert (latents / "00001.keys.arrow").is_file() and (latents / "00001.stats.json").is_file()
+    assert list(latents.glob("00001*.npy"))
     assert not [p for p in Path(root).rglob("*") if ".tmp-" in p.name]

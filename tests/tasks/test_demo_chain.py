@@ -30,8 +30,9 @@ from tasks.shards import TMP_MARK, read_stats, summarize
 STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
 
 
-def run_chain(root: Path, source, profile, model, scorer) -> None:
-    """The stages of build-latents, in order, as the flow calls them (minus Prefect)."""
+def run_chain(root: Path, source, profile, model, scorer, spec: encode.LatentSpec) -> None:
+    """The stages of build-latents, in order, as the flow calls them (minus Prefect); `spec`:
+    the latent layout the flow takes from the catalog (`encode.spec_for`)."""
     for i, location in enumerate(metadata.list_metadata_files(root, source)):
         metadata.fetch_metadata_shard(root, source, i, location)
     filter_stage.filter_metadata(root, source.name, profile, source.samples_per_shard)
@@ -56,7 +57,7 @@ def run_chain(root: Path, source, profile, model, scorer) -> None:
     for s in shards:
         tokenize.tokenize_shard(root, source.name, s)
     for s in shards:
-        encode.encode_shard(root, source.name, s, model)
+        encode.encode_shard(root, source.name, s, model, spec=spec)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
     profile, model = catalog.profile(source.profile), catalog.model(source.model)
     scorer = catalog.scorer(profile.scorer)
-    run_chain(root, source, profile, model, scorer)
+    spec = encode.spec_for(catalog, source.name)
+    run_chain(root, source, profile, model, scorer, spec)
     shards = sorted(p.stem for p in (root / source.name / "filtered").glob("[0-9]*.parquet"))
     return SimpleNamespace(
         root=root,
@@ -78,6 +80,7 @@ def chain(tmp_path_factory):
         profile=profile,
         model=model,
         scorer=scorer,
+        spec=spec,
         name=source.name,
         shards=shards,
         dir=root / source.name,
@@ -154,19 +157,48 @@ def test_failed_rows_stay_in_the_sample_table_with_their_reason(chain):
 
 
 def test_latents_are_fp16_rows_of_the_encoded_keys(chain):
-    side = chain.model.resolution // 8
+    """The demo trains on aspect buckets with flips and a latent drawn per epoch
+    (docs/training-data.md): per shard, a file per bucket [n, 2 views, 8 channels, h, w], and
+    a keys file that places every encoded key once."""
+    assert (chain.spec.legacy, chain.spec.views, chain.spec.channels) == (False, 2, 8)
+    names = buckets.BucketPlan.from_dict(chain.model.buckets, chain.model.resolution).names()
+    used: set[str] = set()
     for stats in read_stats(chain.root, chain.name, "latents"):
-        latents = np.load(chain.dir / "latents" / f"{stats.shard}.npy")
         written = latent_keys.read(chain.root, chain.name, stats.shard)
         keys = written["key"].to_pylist()
-        assert latents.dtype == np.float16
-        assert latents.shape == (len(keys), 4, side, side)
-        assert np.isfinite(latents).all()
+        assert not (chain.dir / "latents" / f"{stats.shard}.npy").exists()  # no legacy file
+        assert latent_keys.spec(written) == chain.spec.to_dict() == stats.extra["latent_spec"]
+        assert len(set(keys)) == len(keys) == stats.num_out
         token_keys = pq.read_table(chain.dir / "tokens" / f"{stats.shard}.parquet")["key"]
+        token_rows = written["token_row"].to_numpy()
         assert token_keys.take(written["token_row"]).to_pylist() == keys
+        assert (np.diff(token_rows) > 0).all()  # in token order
+        # The image digests are the shard table's.
+        shard = pq.read_table(chain.dir / "shards" / f"{stats.shard}.parquet")
+        sha = dict(zip(shard["key"].to_pylist(), shard["sha256"].to_pylist(), strict=True))
+        assert written["sha256"].to_pylist() == [sha[k] for k in keys]
+        rows: dict[str, list[int]] = {}
+        for bucket, row in zip(
+            written["bucket"].to_pylist(), written["bucket_row"].to_pylist(), strict=True
+        ):
+            rows.setdefault(bucket, []).append(row)
+        assert set(rows) <= set(names)
+        assert stats.extra["buckets"] == {b: len(r) for b, r in rows.items()}
+        for bucket, bucket_rows in rows.items():
+            latents = np.load(latent_keys.latents_path(chain.root, chain.name, stats.shard, bucket))
+            w, h = (int(v) for v in bucket.split("x"))
+            assert latents.dtype == np.float16
+            assert latents.shape == (len(bucket_rows), 2, 8, h // 8, w // 8)
+            assert sorted(bucket_rows) == list(range(len(latents)))  # each row once
+            assert np.isfinite(latents).all()
+        assert sorted(
+            p.name for p in chain.dir.joinpath("latents").glob(f"{stats.shard}.*.npy")
+        ) == (sorted(f"{stats.shard}.{b}.npy" for b in rows))  # no file of a bucket without rows
+        used |= set(rows)
         # The ids trainers memory-map: int32 [N, 77], row i = the parquet's row i.
         ids = np.load(chain.dir / "tokens" / f"{stats.shard}.npy", mmap_mode="r")
         assert ids.dtype == np.int32 and ids.shape == (len(token_keys), 77)
+    assert used == set(names)  # wide, square and tall images: every bucket of the plan
     assert sum(s.num_out for s in read_stats(chain.root, chain.name, "latents")) > 0
 
 
@@ -215,7 +247,10 @@ def test_rerun_skips_every_stage_and_rewrites_nothing(chain):
     results += [score.score_shard(chain.root, chain.name, s, chain.scorer) for s in chain.shards]
     results.append(filter_stage.select_pixels(chain.root, chain.name, chain.profile, scored=True))
     results += [tokenize.tokenize_shard(chain.root, chain.name, s) for s in chain.shards]
-    results += [encode.encode_shard(chain.root, chain.name, s, chain.model) for s in chain.shards]
+    results += [
+        encode.encode_shard(chain.root, chain.name, s, chain.model, spec=chain.spec)
+        for s in chain.shards
+    ]
     assert all(r.skipped for r in results), [r.stage for r in results if not r.skipped]
     assert snapshot() == before
 

@@ -7,6 +7,7 @@ time. Also here: fetch-metadata's column check, the other place a shard's input 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -38,7 +39,11 @@ SHARD = "00000"
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_catalog(PACKAGED_DIR).model("tiny")
+    """The catalog's tiny model without its bucket plan: this file tests the legacy layout (one
+    square per image, `NNNNN.npy` [N, 4, 8, 8]); test_encode_buckets.py tests the buckets."""
+    model = dataclasses.replace(load_catalog(PACKAGED_DIR).model("tiny"), buckets=None)
+    assert encode.LatentSpec.of(model).legacy
+    return model
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import re
 from pathlib import Path
 
 import cv2
@@ -52,7 +53,11 @@ STORED = {
 
 @pytest.fixture(scope="module")
 def tiny():
-    return load_catalog(PACKAGED_DIR).model("tiny")
+    """The catalog's tiny model without its bucket plan (the legacy layout); `bucketed` is it
+    with PLAN."""
+    model = dataclasses.replace(load_catalog(PACKAGED_DIR).model("tiny"), buckets=None)
+    assert encode.LatentSpec.of(model).legacy
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -406,12 +411,15 @@ def test_a_bad_bucket_plan_names_the_file_and_field(tmp_path, buckets, says):
         (directory / path.name).write_text(path.read_text())
     models = directory / "models.yaml"
     text = models.read_text()
-    assert text.count("tiny:\n  resolution: 64\n") == 1
-    models.write_text(
-        text.replace(
-            "tiny:\n  resolution: 64\n", f"tiny:\n  resolution: 64\n  buckets: {buckets}\n"
-        )
-    )
+    # The tiny entry's own plan (if any) replaced by the bad one: YAML keeps the last of two
+    # equal keys, so a line added beside it might not be the one read.
+    start = text.index("\ntiny:\n") + 1
+    after = re.compile(r"^\S", re.M).search(text, start + 1)  # the next top-level entry
+    end = after.start() if after else len(text)
+    entry = re.sub(r"^  buckets:.*\n", "", text[start:end], flags=re.M)
+    assert entry.startswith("tiny:\n  resolution: 64\n") and "buckets:" not in entry
+    entry = entry.replace("  resolution: 64\n", f"  resolution: 64\n  buckets: {buckets}\n", 1)
+    models.write_text(text[:start] + entry + text[end:])
     with pytest.raises(CatalogError) as info:
         load_catalog(directory)
     message = str(info.value)
