@@ -138,6 +138,22 @@ def catalog_dir() -> Path:
     return Path(os.environ.get("SDPIPE_CATALOG") or PACKAGED_DIR)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (plain YAML keeps the
+    last one silently: a setting added beside an existing one would not take effect)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is written twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_catalog(directory: str | Path | None = None) -> Catalog:
     directory = Path(directory) if directory else catalog_dir()
     loaded: dict[str, dict] = {}
@@ -149,7 +165,7 @@ def load_catalog(directory: str | Path | None = None) -> Catalog:
         if not path.is_file():
             raise CatalogError(f"{path}: catalog file is missing")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.load(path.read_text(), Loader=_UniqueKeys) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" (line {mark.line + 1})" if mark else ""

@@ -122,6 +122,17 @@ def test_invalid_yaml_names_the_file_and_line(catalog_copy):
     assert int(re.search(r"\(line (\d+)\)", message).group(1)) >= broken_line
 
 
+def test_a_setting_written_twice_is_refused_naming_the_file_line_and_key(catalog_copy):
+    """Plain YAML keeps the last of two equal keys: a setting added beside one already there
+    (the tiny model's `buckets:`) would silently not take effect."""
+    path = catalog_copy / "models.yaml"
+    edit_entry(path, "tiny", "  resolution: 64\n", "  resolution: 64\n  resolution: 128\n")
+    line = path.read_text().splitlines().index("  resolution: 128") + 1
+    message = catalog_error(catalog_copy)
+    assert "models.yaml" in message and "'resolution' is written twice" in message
+    assert f"(line {line})" in message
+
+
 def test_wrong_type_names_file_field_and_value(catalog_copy):
     edit_entry(catalog_copy / "phases.yaml", "phase-3", "  lr: 1.0e-5\n", '  lr: "fast"\n')
     message = catalog_error(catalog_copy)
