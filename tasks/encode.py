@@ -924,8 +924,9 @@ def encode_stream(
     of build-latents, flows/devices.py). A shard whose inputs cannot be read or whose outputs
     cannot be written fails alone (its failure record written); shards done already are
     skipped. The record's `extra["device"]` names the device. `spec`: the latent layout
-    (default: the model's legacy one, `LatentSpec.of(model)`); a shard done under another spec
-    is encoded again.
+    (default `LatentSpec.of(model)`: the model's plan, one view, the mean; the flows pass
+    `spec_for(catalog, source)`, which adds the catalog's flips and latent sampling); a shard
+    done under another spec is encoded again.
     """
     device = _canonical(torch.device(device) if device is not None else default_device())
     spec = spec or LatentSpec.of(model)
@@ -974,8 +975,8 @@ def encode_shards(
     spec: LatentSpec | None = None,
 ) -> list[ShardStats]:
     """Encode `shards` in order through one pipeline; shards already done (under `spec`,
-    default the model's legacy one) are skipped. The first shard that fails raises (the shards
-    before it are done)."""
+    default `LatentSpec.of(model)`: the model's plan, no flips, the mean) are skipped. The first
+    shard that fails raises (the shards before it are done)."""
     spec = spec or LatentSpec.of(model)
     if all(shard_done(root, source, s, spec) for s in shards):
         return [run_shard(root, source, STAGE, s, _never) for s in shards]
