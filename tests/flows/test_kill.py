@@ -82,20 +82,36 @@ def test_sigkill_mid_encode_then_rerun(tokenized_root, tmp_path):
 
     done = sorted(p.name.split(".")[0] for p in latents.glob("*.stats.json"))
     assert 1 <= len(done) < num_shards, "the kill must land mid-stage"
-    # No partial file under a final name: every final .npy loads whole.
+    # No partial file under a final name: every final latent file (one per bucket of a shard,
+    # the tiny model's plan: [n, 1 view, 4 channels, h/8, w/8]) loads whole.
     for npy in latents.glob("[0-9]*.npy"):
-        assert np.load(npy).shape[1:] == (4, 8, 8)
-    mtimes = {s: (latents / f"{s}.npy").stat().st_mtime_ns for s in done}
+        w, h = (int(v) for v in npy.name.split(".")[1].split("x"))
+        assert np.load(npy).shape[1:] == (1, 4, h // 8, w // 8)
+    mtimes = _outputs(latents, done)
+    assert len(mtimes) >= 3 * len(done)  # each done shard: its bucket files, keys and record
 
     assert _encode(killed).wait() == 0
     assert _encode(clean).wait() == 0
     # The rerun skipped the shards already done and finished the rest ...
-    assert {s: (latents / f"{s}.npy").stat().st_mtime_ns for s in done} == mtimes
+    assert _outputs(latents, done) == mtimes
     assert len(list(latents.glob("*.stats.json"))) == num_shards
     assert not [p for p in latents.iterdir() if ".tmp-" in p.name]
-    # ... and its latents equal those of the uninterrupted run, shard by shard.
-    for npy in sorted((clean / "demo" / "latents").glob("[0-9]*.npy")):
-        np.testing.assert_array_equal(np.load(npy), np.load(latents / npy.name))
-        a = latent_keys.read(clean, "demo", npy.stem)["key"]
-        b = latent_keys.read(killed, "demo", npy.stem)["key"]
-        assert a.equals(b)
+    # ... and its latents equal those of the uninterrupted run, shard by shard, bucket by bucket.
+    clean_latents = clean / "demo" / "latents"
+    files = sorted(p.name for p in clean_latents.glob("[0-9]*.npy"))
+    assert files and files == sorted(p.name for p in latents.glob("[0-9]*.npy"))
+    for name in files:
+        np.testing.assert_array_equal(np.load(clean_latents / name), np.load(latents / name))
+    for shard in sorted(p.stem for p in (clean / "demo" / "tokens").glob("[0-9]*.parquet")):
+        a = latent_keys.read(clean, "demo", shard)
+        assert "bucket" in a.schema.names and a.equals(latent_keys.read(killed, "demo", shard))
+
+
+def _outputs(latents: Path, shards: list[str]) -> dict[str, int]:
+    """mtime of every file of `shards` under latents/ (bucket files, keys file, record)."""
+    return {
+        p.name: p.stat().st_mtime_ns
+        for s in shards
+        for p in latents.glob(f"{s}.*")
+        if ".tmp-" not in p.name
+    }
