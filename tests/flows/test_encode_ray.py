@@ -53,8 +53,12 @@ def test_encode_ray_flow_equals_the_single_process_path(prefect_stack, tmp_path)
     on_ray, single = tmp_path / "ray", tmp_path / "single"
     for root in (on_ray, single):
         write_tokenized_shards(root)
-    model = load_catalog().model("tiny")
-    encode.encode_shards(single, SOURCE, SHARDS, model, batch_size=4)
+    catalog = load_catalog()
+    # The reference encodes under the layout the flow takes from the catalog (its source's
+    # model's bucket plan, its phase's flips, its latent sampling).
+    spec = encode.spec_for(catalog, SOURCE)
+    model = catalog.model(catalog.source(SOURCE).model)
+    encode.encode_shards(single, SOURCE, SHARDS, model, batch_size=4, spec=spec)
 
     runner = SdpipeRayTaskRunner(init_kwargs={"num_cpus": 2, "include_dashboard": False})
     result = encode_ray.with_options(task_runner=runner)(
@@ -77,13 +81,21 @@ def test_encode_ray_flow_equals_the_single_process_path(prefect_stack, tmp_path)
         assert latent_keys.read(on_ray, SOURCE, shard).equals(
             latent_keys.read(single, SOURCE, shard)
         )
-        # Ray runs a task with one thread, the reference with two: equal to fp16 precision.
-        np.testing.assert_allclose(
-            np.load(on_ray / SOURCE / "latents" / f"{shard}.npy"),
-            np.load(single / SOURCE / "latents" / f"{shard}.npy"),
-            rtol=2e-3,
-            atol=2e-3,
-        )
+        assert ray_stats.extra["latent_spec"] == ref_stats.extra["latent_spec"] == spec.to_dict()
+        assert ray_stats.extra.get("buckets") == ref_stats.extra.get("buckets")
+        files = sorted(p.name for p in (single / SOURCE / "latents").glob(f"{shard}.*.npy"))
+        assert files == sorted(p.name for p in (on_ray / SOURCE / "latents").glob(f"{shard}.*.npy"))
+        if spec.legacy:
+            files = [f"{shard}.npy"]
+        assert files
+        for name in files:
+            # Ray runs a task with one thread, the reference with two: equal to fp16 precision.
+            np.testing.assert_allclose(
+                np.load(on_ray / SOURCE / "latents" / name),
+                np.load(single / SOURCE / "latents" / name),
+                rtol=2e-3,
+                atol=2e-3,
+            )
     qa = json.loads((on_ray / SOURCE / "latents" / encode.QA_FILE).read_text())
     assert qa == result["qa"]
     assert len(qa["samples"]) == 3 and qa["num_latents"] == 12
