@@ -4,6 +4,8 @@ to the legacy catalog re-encodes every shard, though the earlier run's tasks are
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
@@ -17,6 +19,22 @@ pytestmark = pytest.mark.slow
 PLAN = {"area": 64 * 64, "step": 16, "min_side": 32, "max_side": 128, "max_aspect": 2}
 
 
+def _catalog(dest: Path, *, buckets: dict | None, flip_p: float, latent_sampling: bool) -> Path:
+    catalog = write_small_catalog(dest)
+    models = yaml.safe_load((catalog / "models.yaml").read_text())
+    models["tiny"].pop("buckets", None)
+    if buckets is not None:
+        models["tiny"]["buckets"] = buckets
+    (catalog / "models.yaml").write_text(yaml.safe_dump(models))
+    phases = yaml.safe_load((catalog / "phases.yaml").read_text())
+    phases["demo"]["flip_p"] = flip_p
+    (catalog / "phases.yaml").write_text(yaml.safe_dump(phases))
+    sources = yaml.safe_load((catalog / "sources.yaml").read_text())
+    sources["demo"]["latent_sampling"] = latent_sampling
+    (catalog / "sources.yaml").write_text(yaml.safe_dump(sources))
+    return catalog
+
+
 def test_the_catalogs_spec_decides_the_layout_and_a_change_re_encodes(
     prefect_stack, tmp_path, monkeypatch
 ):
@@ -25,14 +43,10 @@ def test_the_catalogs_spec_decides_the_layout_and_a_change_re_encodes(
     from catalog import load_catalog
     from flows.build_latents import build_latents
 
-    legacy = write_small_catalog(tmp_path / "legacy")
-    flipped = write_small_catalog(tmp_path / "flipped")
-    models = yaml.safe_load((flipped / "models.yaml").read_text())
-    models["tiny"]["buckets"] = PLAN
-    (flipped / "models.yaml").write_text(yaml.safe_dump(models))
-    phases = yaml.safe_load((flipped / "phases.yaml").read_text())
-    phases["demo"]["flip_p"] = 0.5
-    (flipped / "phases.yaml").write_text(yaml.safe_dump(phases))
+    # Both catalogs say their layout outright, whatever the shipped one holds: the legacy one
+    # without buckets, flips or latent sampling; the flipped one with buckets and flips only.
+    legacy = _catalog(tmp_path / "legacy", buckets=None, flip_p=0.0, latent_sampling=False)
+    flipped = _catalog(tmp_path / "flipped", buckets=PLAN, flip_p=0.5, latent_sampling=False)
     root = tmp_path / "data"
     latents = root / "demo" / "latents"
 
