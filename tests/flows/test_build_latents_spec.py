@@ -19,20 +19,20 @@ pytestmark = pytest.mark.slow
 PLAN = {"area": 64 * 64, "step": 16, "min_side": 32, "max_side": 128, "max_aspect": 2}
 
 
-def edit_catalog(folder: Path, *, buckets: dict | None, flip_p: float | None, sampling: bool):
-    """The tiny model's bucket plan, the demo phase's flip_p and the demo source's
-    latent_sampling set (None: the field removed)."""
-    for file, entry, field, value in (
-        ("models.yaml", "tiny", "buckets", buckets),
-        ("phases.yaml", "demo", "flip_p", flip_p),
-        ("sources.yaml", "demo", "latent_sampling", sampling),
-    ):
-        data = yaml.safe_load((folder / file).read_text())
-        data[entry].pop(field, None)
-        if value is not None:
-            data[entry][field] = value
-        (folder / file).write_text(yaml.safe_dump(data))
-    return folder
+def _catalog(dest: Path, *, buckets: dict | None, flip_p: float, latent_sampling: bool) -> Path:
+    catalog = write_small_catalog(dest)
+    models = yaml.safe_load((catalog / "models.yaml").read_text())
+    models["tiny"].pop("buckets", None)
+    if buckets is not None:
+        models["tiny"]["buckets"] = buckets
+    (catalog / "models.yaml").write_text(yaml.safe_dump(models))
+    phases = yaml.safe_load((catalog / "phases.yaml").read_text())
+    phases["demo"]["flip_p"] = flip_p
+    (catalog / "phases.yaml").write_text(yaml.safe_dump(phases))
+    sources = yaml.safe_load((catalog / "sources.yaml").read_text())
+    sources["demo"]["latent_sampling"] = latent_sampling
+    (catalog / "sources.yaml").write_text(yaml.safe_dump(sources))
+    return catalog
 
 
 def test_the_catalogs_spec_decides_the_layout_and_a_change_re_encodes(
@@ -43,15 +43,10 @@ def test_the_catalogs_spec_decides_the_layout_and_a_change_re_encodes(
     from catalog import load_catalog
     from flows.build_latents import build_latents
 
-    # The shipped demo trains on buckets with flips and latent sampling: both catalogs say
-    # theirs. legacy: no plan, no flips, no log-variance; flipped: PLAN and flips, no
-    # log-variance (4 channels).
-    legacy = edit_catalog(
-        write_small_catalog(tmp_path / "legacy"), buckets=None, flip_p=None, sampling=False
-    )
-    flipped = edit_catalog(
-        write_small_catalog(tmp_path / "flipped"), buckets=PLAN, flip_p=0.5, sampling=False
-    )
+    # Both catalogs say their layout outright, whatever the shipped one holds: the legacy one
+    # without buckets, flips or latent sampling; the flipped one with buckets and flips only.
+    legacy = _catalog(tmp_path / "legacy", buckets=None, flip_p=0.0, latent_sampling=False)
+    flipped = _catalog(tmp_path / "flipped", buckets=PLAN, flip_p=0.5, latent_sampling=False)
     root = tmp_path / "data"
     latents = root / "demo" / "latents"
 

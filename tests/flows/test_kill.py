@@ -22,20 +22,15 @@ pytestmark = pytest.mark.slow
 ENCODE_SCRIPT = """
 import sys, dataclasses
 from pathlib import Path
-from catalog import load_catalog, needs_flips
-from tasks.encode import LatentSpec, encode_shard
+from catalog import load_catalog
+from tasks.encode import encode_shard
 root = Path(sys.argv[1])
-catalog = load_catalog()
-tiny = catalog.model("tiny")
+tiny = load_catalog().model("tiny")
 vae = dict(tiny.vae_config, block_out_channels=[64, 128, 128, 128], layers_per_block=2,
            norm_num_groups=32)
 model = dataclasses.replace(tiny, name="kill-test", vae_config=vae)
-# The layout the catalog gives the demo source (encode.spec_for), with this model's VAE.
-spec = LatentSpec.of(
-    model, flips=needs_flips(catalog, "demo"), sampling=catalog.source("demo").latent_sampling
-)
 for tokens in sorted((root / "demo" / "tokens").glob("[0-9]*.parquet")):
-    encode_shard(root, "demo", tokens.stem, model, batch_size=4, spec=spec)
+    encode_shard(root, "demo", tokens.stem, model, batch_size=4)
 """
 
 
@@ -63,15 +58,6 @@ def tokenized_root(tmp_path_factory, small_catalog) -> Path:
     return root
 
 
-def done_mtimes(latents: Path, shards: list[str]) -> dict[str, int]:
-    """The mtimes of the done shards' latents files (one, or one per bucket)."""
-    return {
-        p.name: p.stat().st_mtime_ns
-        for p in latents.glob("[0-9]*.npy")
-        if p.name.split(".")[0] in shards
-    }
-
-
 def _encode(root: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", ENCODE_SCRIPT, str(root)], env={**os.environ, "OMP_NUM_THREADS": "1"}
@@ -96,28 +82,36 @@ def test_sigkill_mid_encode_then_rerun(tokenized_root, tmp_path):
 
     done = sorted(p.name.split(".")[0] for p in latents.glob("*.stats.json"))
     assert 1 <= len(done) < num_shards, "the kill must land mid-stage"
-    # No partial file under a final name: every final latents file (the legacy `NNNNN.npy` or a
-    # bucket's `NNNNN.WxH.npy`) loads whole, latents of its bucket's size.
+    # No partial file under a final name: every final latent file (one per bucket of a shard,
+    # the tiny model's plan: [n, 1 view, 4 channels, h/8, w/8]) loads whole.
     for npy in latents.glob("[0-9]*.npy"):
-        name = npy.name.split(".")
-        w, h = (int(v) for v in name[1].split("x")) if len(name) == 3 else (64, 64)
-        z = np.load(npy)
-        assert z.dtype == np.float16 and z.shape[-3:] in ((4, h // 8, w // 8), (8, h // 8, w // 8))
-    mtimes = done_mtimes(latents, done)
-    assert mtimes
+        w, h = (int(v) for v in npy.name.split(".")[1].split("x"))
+        assert np.load(npy).shape[1:] == (1, 4, h // 8, w // 8)
+    mtimes = _outputs(latents, done)
+    assert len(mtimes) >= 3 * len(done)  # each done shard: its bucket files, keys and record
 
     assert _encode(killed).wait() == 0
     assert _encode(clean).wait() == 0
     # The rerun skipped the shards already done and finished the rest ...
-    assert done_mtimes(latents, done) == mtimes
+    assert _outputs(latents, done) == mtimes
     assert len(list(latents.glob("*.stats.json"))) == num_shards
     assert not [p for p in latents.iterdir() if ".tmp-" in p.name]
-    # ... and its latents equal those of the uninterrupted run, shard by shard.
-    clean_files = sorted((clean / "demo" / "latents").glob("[0-9]*.npy"))
-    assert [p.name for p in clean_files] == sorted(p.name for p in latents.glob("[0-9]*.npy"))
-    for npy in clean_files:
-        np.testing.assert_array_equal(np.load(npy), np.load(latents / npy.name))
-    for shard in sorted({p.name.split(".")[0] for p in clean_files}):
+    # ... and its latents equal those of the uninterrupted run, shard by shard, bucket by bucket.
+    clean_latents = clean / "demo" / "latents"
+    files = sorted(p.name for p in clean_latents.glob("[0-9]*.npy"))
+    assert files and files == sorted(p.name for p in latents.glob("[0-9]*.npy"))
+    for name in files:
+        np.testing.assert_array_equal(np.load(clean_latents / name), np.load(latents / name))
+    for shard in sorted(p.stem for p in (clean / "demo" / "tokens").glob("[0-9]*.parquet")):
         a = latent_keys.read(clean, "demo", shard)
-        b = latent_keys.read(killed, "demo", shard)
-        assert a.equals(b)  # keys, token rows and (bucketed) each key's bucket and row
+        assert "bucket" in a.schema.names and a.equals(latent_keys.read(killed, "demo", shard))
+
+
+def _outputs(latents: Path, shards: list[str]) -> dict[str, int]:
+    """mtime of every file of `shards` under latents/ (bucket files, keys file, record)."""
+    return {
+        p.name: p.stat().st_mtime_ns
+        for s in shards
+        for p in latents.glob(f"{s}.*")
+        if ".tmp-" not in p.name
+    }

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from flows import local
-from tasks import images
+from tasks import images, latent_keys
 from tasks.shards import read_stats
 from tests.tasks import bad_images as bad
 from tests.tasks.conftest import scene_jpeg
@@ -119,6 +119,11 @@ def build(tmp_path: Path, catalog: Path, port: int) -> subprocess.CompletedProce
     )
 
 
+def latent_files(root: Path) -> dict[str, bytes]:
+    """The bytes of every latent file (`NNNNN.npy`, or `NNNNN.WxH.npy` per bucket)."""
+    return {p.name: p.read_bytes() for p in (root / "web" / "latents").glob("*.npy")}
+
+
 def counts(root: Path) -> dict[str, dict]:
     out = {}
     for stage in STAGE_FOLDERS:
@@ -149,7 +154,10 @@ def test_a_laion_kind_source_builds_in_a_fresh_process_and_rebuilds(
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         root = tmp_path / "data"
         before = counts(root)
-        latents = {p.name: p.read_bytes() for p in (root / "web" / "latents").glob("*.npy")}
+        latents = latent_files(root)
+        # Keys of every shard encoded (one that kept no image has them, but no bucket file).
+        records = read_stats(root, "web", "latents")
+        keys = {r.shard: latent_keys.read(root, "web", r.shard) for r in records}
         shard_tables = pa.concat_tables(
             pq.read_table(p) for p in sorted((root / "web" / "shards").glob("[0-9]*.parquet"))
         ).to_pylist()
@@ -186,5 +194,17 @@ def test_a_laion_kind_source_builds_in_a_fresh_process_and_rebuilds(
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     after = counts(root)
     assert after == before
-    rebuilt = {p.name: p.read_bytes() for p in (root / "web" / "latents").glob("*.npy")}
-    assert rebuilt == latents and len(latents) == 3
+    assert latent_files(root) == latents
+    # Each of the 3 shards: the bucket files its record names (the tiny model's plan; none for a
+    # shard that kept no image), all 16 latents among them, and the same keys (bucket and row of
+    # each) as the first build.
+    records = read_stats(root, "web", "latents")
+    assert sorted(keys) == [r.shard for r in records] and len(records) == 3
+    for r in records:
+        assert keys[r.shard].num_rows == r.num_out == sum(r.extra["buckets"].values())
+    assert sorted(latents) == sorted(
+        f"{r.shard}.{b}.npy" for r in records for b in r.extra["buckets"]
+    )
+    assert sum(n for r in records for n in r.extra["buckets"].values()) == 16
+    for shard, table in keys.items():
+        assert latent_keys.read(root, "web", shard).equals(table)

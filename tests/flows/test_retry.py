@@ -6,9 +6,12 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flows import local
+from tasks import latent_keys
+from tasks.shards import ShardStats
 
 pytestmark = pytest.mark.slow
 
@@ -55,23 +58,21 @@ def _executed_and_cached(task_runs: list, attempt: int) -> tuple[set[str], set[s
     return executed, cached
 
 
-def outputs(latents: Path, but: str) -> dict[str, int]:
-    """mtime of each shard's latents files (`NNNNN.npy`, or `NNNNN.WxH.npy` per bucket) and
-    keys file, but those of shard `but`."""
+def _outputs_of_others(latents: Path, failed: str) -> dict[str, int]:
+    """mtime of every file of every shard but `failed` under latents/."""
     return {
         p.name: p.stat().st_mtime_ns
-        for p in latents.glob("[0-9]*")
-        if p.is_file() and p.name.endswith((".npy", ".keys.arrow"))
-        if not p.name.startswith(f"{but}.")
+        for p in latents.glob("[0-9][0-9][0-9][0-9][0-9].*")
+        if p.is_file() and not p.name.startswith(f"{failed}.")
     }
 
 
 def test_retry_reruns_only_the_failed_shard(prefect_stack):
     root, port = prefect_stack
     latents = root / "demo" / "latents"
-    # A real fault: a directory squats on shard 00001's keys file, so its rename fails (in
-    # either layout, the last output written before the record: after its latents files).
-    blocker = latents / "00001.keys.arrow"
+    # A real fault: a directory squats on shard 00001's keys file (an output of every layout,
+    # legacy or bucketed, whatever buckets the shard has), so its rename fails.
+    blocker = latent_keys.path(root, "demo", "00001")
     blocker.mkdir(parents=True)
 
     run = local.prefect_cli(
@@ -84,9 +85,12 @@ def test_retry_reruns_only_the_failed_shard(prefect_stack):
 
     first_executed, _ = _executed_and_cached(_task_runs(flow_run_id, port), 1)
     assert "encode-demo-00000" in first_executed and "fetch-images-demo-00000" in first_executed
-    done_before = outputs(latents, but="00001")
+    # Every output of the shards that were done (latents of each bucket, keys, record); the
+    # failed shard's own files (bucket files written before its keys file failed) are redone.
+    done_before = _outputs_of_others(latents, failed="00001")
     assert not (latents / "00001.stats.json").exists()
-    assert len({name.split(".")[0] for name in done_before}) >= 2
+    assert {p.split(".")[0] for p in done_before if p.endswith(".stats.json")} >= {"00000"}
+    assert len([p for p in done_before if p.endswith(".npy")]) >= 2
 
     blocker.rmdir()
     retry = local.prefect_cli(["flow-run", "retry", flow_run_id], root, port)
@@ -105,7 +109,18 @@ def test_retry_reruns_only_the_failed_shard(prefect_stack):
         "encode-demo-00000",
     } <= cached
     # The other shards' outputs were not rewritten; the failed one now exists.
-    assert outputs(latents, but="00001") == done_before
-    assert (latents / "00001.keys.arrow").is_file() and (latents / "00001.stats.json").is_file()
-    assert list(latents.glob("00001*.npy"))
+    assert _outputs_of_others(latents, failed="00001") == done_before
+    record = ShardStats.read(latents / "00001.stats.json")
+    assert record.num_out > 0 and latent_keys.read(root, "demo", "00001").num_rows == record.num_out
+    spec = record.extra["latent_spec"]
+    if record.extra.get("buckets"):  # the catalog's layout: one file per bucket of the shard
+        buckets = record.extra["buckets"]
+        assert sorted(p.name for p in latents.glob("00001.*.npy")) == sorted(
+            f"00001.{b}.npy" for b in buckets
+        )
+        for b, n in buckets.items():
+            z = np.load(latent_keys.latents_path(root, "demo", "00001", b), mmap_mode="r")
+            assert z.shape[:3] == (n, spec["views"], spec["channels"])
+    else:
+        assert np.load(latents / "00001.npy").shape[0] == record.num_out
     assert not [p for p in Path(root).rglob("*") if ".tmp-" in p.name]
