@@ -223,15 +223,7 @@ def decode_rows(
 
     Whatever one image raises drops that image only: the shard goes on.
     """
-    rows, pixels, dropped = [], [], {}
-    for row, data in items:
-        try:
-            pixels.append(decode_image(data, size))
-            rows.append(row)
-        except Unusable as e:
-            dropped[row] = e.reason
-        except Exception:  # a decoder's unforeseen failure is one bad image, not a bad shard
-            dropped[row] = "decode_error"
+    rows, pixels, dropped = per_image(items, lambda data: decode_image(data, size))
     stacked = np.stack(pixels) if pixels else np.zeros((0, size, size, 3), np.uint8)
     return rows, stacked, dropped
 
@@ -331,14 +323,23 @@ def repack_rows(
     items: list[tuple[int, bytes, tuple | None]], size: int, *, min_side: int = 0
 ) -> tuple[list[int], list[tuple[bytes, int, int]], dict[int, str]]:
     """Repack worker task: (rows repacked, their (jpeg, width, height), reason per dropped row)."""
+    return per_image(
+        items, lambda data, crop: repack_image(data, size, min_side=min_side, crop=crop)
+    )
+
+
+def per_image(items: Iterable[tuple], transform) -> tuple[list[int], list, dict[int, str]]:
+    """A worker task's loop over (row, *arguments) items: (rows done, `transform(*arguments)` of
+    each, reason per dropped row). Whatever one image raises drops that image only: a decoder's
+    unforeseen failure is one bad image (`decode_error`), not a bad shard."""
     rows, out, dropped = [], [], {}
-    for row, data, crop in items:
+    for row, *arguments in items:
         try:
-            out.append(repack_image(data, size, min_side=min_side, crop=crop))
+            out.append(transform(*arguments))
             rows.append(row)
         except Unusable as e:
             dropped[row] = e.reason
-        except Exception:  # a decoder's unforeseen failure is one bad image, not a bad shard
+        except Exception:
             dropped[row] = "decode_error"
     return rows, out, dropped
 
@@ -624,16 +625,7 @@ def decode_bucketed(
     """Decode worker task of a bucket plan (`BucketPlan.to_dict()`): (rows decoded, their
     (bucket index, pixels [H, W, 3] of the bucket), reason per dropped row). `size` is unused
     (the plan sets the shapes); whatever one image raises drops that image only."""
-    rows, out, dropped = [], [], {}
-    for row, data in items:
-        try:
-            out.append(decode_to_bucket(data, plan))
-            rows.append(row)
-        except Unusable as e:
-            dropped[row] = e.reason
-        except Exception:  # a decoder's unforeseen failure is one bad image, not a bad shard
-            dropped[row] = "decode_error"
-    return rows, out, dropped
+    return per_image(items, lambda data: decode_to_bucket(data, plan))
 
 
 WORKER_TASKS["bucketed"] = decode_bucketed
