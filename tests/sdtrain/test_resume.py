@@ -104,22 +104,21 @@ def test_a_crash_saves_the_last_finished_step(one_rank_run, make_config, tmp_pat
     assert_same_weights(tmp_path, reference.run_dir)
 
 
-def test_resumed_epochs_continue_at_the_exact_next_sample(phase_dir):
-    """Stopping after any batch and resuming there gives the uninterrupted order: none replayed,
-    none skipped, across epoch boundaries and on every rank."""
-    rows = list(range(30))
+def assert_resumes_at_every_batch(make, *, done_per_batch: int, batches_per_rank: int) -> None:
+    """Stopping after any batch and resuming at its (epoch, done) gives the uninterrupted order:
+    none replayed, none skipped, across epoch boundaries and on both ranks. `make(rank)` gives a
+    rank's (loader, sampler)."""
 
-    def run(rank, *, start_epoch=0, start_sample=0, stop_after=None):
-        sampler = EpochSampler(len(rows), seed=3, rank=rank, world_size=2)
-        loader = DataLoader(rows, batch_size=4, sampler=sampler, drop_last=True)
+    def run(rank, *, start_epoch=0, start_done=0, stop_after=None):
+        loader, sampler = make(rank)
         seen = []
         batches = epoch_batches(
             loader,
             sampler,
             start_epoch=start_epoch,
-            start_done=start_sample,
+            start_done=start_done,
             num_epochs=3,
-            done_per_batch=8,
+            done_per_batch=done_per_batch,
         )
         for epoch, done, batch, _ in batches:
             seen.append(batch.tolist())
@@ -129,11 +128,23 @@ def test_resumed_epochs_continue_at_the_exact_next_sample(phase_dir):
 
     for rank in (0, 1):
         full, _ = run(rank)
-        assert len(full) == 3 * 3  # 30 rows -> 15 per rank -> 3 batches of 4 per epoch
+        assert len(full) == batches_per_rank
         for k in range(1, len(full)):
             head, (epoch, done) = run(rank, stop_after=k)
-            tail, _ = run(rank, start_epoch=epoch, start_sample=done)
+            tail, _ = run(rank, start_epoch=epoch, start_done=done)
             assert head + tail == full
+
+
+def test_resumed_epochs_continue_at_the_exact_next_sample(phase_dir):
+    """The plain order, resumed at a count of samples."""
+    rows = list(range(30))
+
+    def make(rank):
+        sampler = EpochSampler(len(rows), seed=3, rank=rank, world_size=2)
+        return DataLoader(rows, batch_size=4, sampler=sampler, drop_last=True), sampler
+
+    # 30 rows -> 15 per rank -> 3 batches of 4 per epoch
+    assert_resumes_at_every_batch(make, done_per_batch=8, batches_per_rank=3 * 3)
 
 
 class _Rows(Dataset):
@@ -148,34 +159,15 @@ def test_resumed_bucketed_epochs_continue_at_the_exact_next_batch():
     buckets = np.repeat(np.arange(3, dtype=np.int32), [20, 13, 9])
     rows = np.arange(len(buckets), dtype=np.int32) * 3
 
-    def run(rank, *, start_epoch=0, start_done=0, stop_after=None):
+    def make(rank):
         sampler = BucketBatchSampler(
             rows, buckets, ["512x512", "576x448", "448x576"], batch_size=4, seed=3, rank=rank,
             world_size=2,
         )  # fmt: skip
-        loader = DataLoader(_Rows(), batch_sampler=sampler)
-        seen = []
-        batches = epoch_batches(
-            loader,
-            sampler,
-            start_epoch=start_epoch,
-            start_done=start_done,
-            num_epochs=3,
-            done_per_batch=1,
-        )
-        for epoch, done, batch, _ in batches:
-            seen.append(batch.tolist())
-            if len(seen) == stop_after:
-                return seen, (epoch, done)
-        return seen, None
+        return DataLoader(_Rows(), batch_sampler=sampler), sampler
 
-    for rank in (0, 1):
-        full, _ = run(rank)
-        assert len(full) == 3 * (3 + 2 + 1)  # 20 rows: 2 + a short one; 13: 1 + short; 9: 1
-        for k in range(1, len(full)):
-            head, (epoch, done) = run(rank, stop_after=k)
-            tail, _ = run(rank, start_epoch=epoch, start_done=done)
-            assert head + tail == full
+    # 20 rows: 2 batches + a short one; 13: 1 + a short one; 9: 1
+    assert_resumes_at_every_batch(make, done_per_batch=1, batches_per_rank=3 * (3 + 2 + 1))
 
 
 def test_a_bucketed_flipped_run_resumes_mid_epoch_bitwise(
