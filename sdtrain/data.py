@@ -15,6 +15,8 @@ docs/training-data.md ("Phase sets", "The sampler").
 
 from __future__ import annotations
 
+import collections
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -293,13 +295,34 @@ class _Mapped:
     """A phase set's arrays of one kind (latents or token ids), one per file, each memory-mapped
     on first use and checked then to hold the rows the manifest reads. Latents (`tails` given)
     are seen as [n, V, C, h, w] (a legacy [N, 4, h, w] file as V = 1) and checked to hold the
-    (V, C, h, w) the set's index says."""
+    (V, C, h, w) the set's index says.
+
+    At most `max_open` maps are held: past it the least recently used is let go (and mapped
+    again when a row of it is read). A bucketed set of 10,000 shards has a latents file per
+    (shard, bucket), some 200,000, and a process may hold only `vm.max_map_count` maps (65,530
+    by default); a row read is copied out of its map, so nothing refers to a map let go.
+    """
 
     def __init__(
-        self, paths: list[Path], needed: list[int], tails: list[tuple[int, ...]] | None = None
+        self,
+        paths: list[Path],
+        needed: list[int],
+        tails: list[tuple[int, ...]] | None = None,
+        *,
+        max_open: int | None = None,
     ):
         self.paths, self.needed, self.tails = paths, needed, tails
         self.arrays: list[np.ndarray | None] = [None] * len(paths)
+        self.max_open = max_open or default_max_open()
+        self.open: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the in-RAM load maps files from several threads
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @classmethod
     def of(cls, *arrays: np.ndarray) -> _Mapped:
@@ -316,25 +339,45 @@ class _Mapped:
 
     def __getitem__(self, f: int) -> np.ndarray:
         array = self.arrays[f]
-        if array is None:
-            path = self.paths[f]
-            array = layout.map_npy(path)
-            if len(array) < self.needed[f]:
+        if array is not None:
+            if f in self.open:
+                with self._lock:
+                    if f in self.open:
+                        self.open.move_to_end(f)
+            return array
+        path = self.paths[f]
+        array = layout.map_npy(path)
+        if len(array) < self.needed[f]:
+            raise ValueError(
+                f"{path} has {len(array)} rows, the manifest reads row {self.needed[f] - 1}: "
+                "its source changed since the mix; mix the phase again"
+            )
+        if self.tails is not None:
+            if array.ndim == 4:
+                array = array.reshape(len(array), 1, *array.shape[1:])
+            if array.shape[1:] != self.tails[f]:
                 raise ValueError(
-                    f"{path} has {len(array)} rows, the manifest reads row {self.needed[f] - 1}: "
-                    "its source changed since the mix; mix the phase again"
+                    f"{path} holds latents [n, V, C, h, w] = {list(array.shape)}, the phase "
+                    f"set's index says (V, C, h, w) = {self.tails[f]}: its source changed "
+                    "since the mix; mix the phase again"
                 )
-            if self.tails is not None:
-                if array.ndim == 4:
-                    array = array.reshape(len(array), 1, *array.shape[1:])
-                if array.shape[1:] != self.tails[f]:
-                    raise ValueError(
-                        f"{path} holds latents [n, V, C, h, w] = {list(array.shape)}, the phase "
-                        f"set's index says (V, C, h, w) = {self.tails[f]}: its source changed "
-                        "since the mix; mix the phase again"
-                    )
+        with self._lock:
             self.arrays[f] = array
+            self.open[f] = None
+            while len(self.open) > self.max_open:
+                oldest, _ = self.open.popitem(last=False)
+                self.arrays[oldest] = None
         return array
+
+
+def default_max_open() -> int:
+    """Maps one kind of a phase set's arrays may hold: a quarter of the process's map limit
+    (latents and token ids take half; libraries, the loader and a second set the rest)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        limit = 65_530
+    return max(64, limit // 4)
 
 
 def split_rows(num_rows: int, num_val: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -289,3 +289,26 @@ def test_a_phase_set_with_train_time_captions_reads_the_epochs_ids(tmp_path, buc
         assert data[row][1].tolist() == plain[row][1].tolist()  # no epoch: the stored ids
     epochs = {tuple(collate([data[5, e]])[1][0].tolist()) for e in range(6)}
     assert len(epochs) > 1  # another caption, or another tag order, per epoch
+
+
+def test_a_set_holds_at_most_max_open_maps_and_reads_the_same_rows(bucketed_phase_dir):
+    """A bucketed set of 10,000 shards has some 200,000 latents files, past a process's map
+    limit: past `max_open` the least recently used map is let go and mapped again on use."""
+    import pickle
+
+    from sdtrain import data as data_module
+
+    wide = PhaseSet(bucketed_phase_dir)
+    expected = [wide[row][0].numpy() for row in range(len(wide))]
+    narrow = PhaseSet(bucketed_phase_dir)
+    for mapped in (narrow.latents, narrow.tokens):
+        mapped.max_open = 2
+    order = np.random.default_rng(0).permutation(len(narrow)).tolist() * 2
+    for row in order:
+        np.testing.assert_array_equal(narrow[row][0].numpy(), expected[row])
+        held = sum(a is not None for a in narrow.latents.arrays)
+        assert held <= 2 and len(narrow.latents.open) == held
+    assert len(narrow.latents.arrays) == 4  # four files, read through two maps
+    again = pickle.loads(pickle.dumps(narrow.latents))  # a loader worker's copy
+    np.testing.assert_array_equal(again[0][0], narrow.latents[0][0])
+    assert data_module.default_max_open() >= 64
