@@ -5,6 +5,23 @@
 a time, no overlap. On CPU the decoders take their cores from the VAE, so `--size small` uses a
 VAE config whose encode costs >= 10x the decode (the JSON reports both); `--size full` is the SD
 VAE encoder (random weights, same FLOPs) at 512 px, bf16 on a GPU.
+
+`--layouts legacy,buckets,flips,flips+sampling` also times `encode_shards` under other latent
+layouts (docs/training-data.md, "Latents on disk"), in the same run on the same shards: per
+layout, images/s (best of --repeats, a fresh data root each, each layout warmed up on the first
+shard as legacy is), its ratio to legacy, the bytes of latents written per image and the rows
+per bucket. `legacy`: the model's square, no flips, the mean (always measured: the baseline);
+`buckets`: the model with a bucket plan; `flips`: and the mirrored view (V = 2); `sampling`:
+and the log-variance (C = 8). Every layout but legacy is bucketed: tokens join with `+`. The
+plans are kohya's / SimpleTuner's at 512 px (area 512^2, step 64, sides 256..1024, aspect
+1:2..2:1) and, for `--size small` (256 px), the same plan at half scale (area 256^2, step 32,
+sides 128..512): the same five aspects, and latent sides multiples of 4 (even) under the /8 VAE.
+
+With any layout but legacy the inputs are a LAION-like mix of aspect ratios (`--aspects mixed`,
+for every layout of the run; legacy center-crops them), of `--input-side`^2 pixels each
+(width x height rounded to 8): of every 20 images, 9 near-square (1:1 x5, 1.1:1 x2, 1:1.1 x2),
+5 landscape 4:3 (x3) or 3:2 (x2), 3 at 16:9, 3 portrait 2:3 (x1) or 3:4 (x2), i.e. 45 / 25 /
+15 / 15 %; 60 distinct images, cycled. Legacy alone keeps the square inputs of earlier runs.
 """
 
 from __future__ import annotations
@@ -25,6 +42,7 @@ import platform
 import tarfile
 import tempfile
 import time
+from dataclasses import replace
 
 import cv2
 import numpy as np
@@ -57,28 +75,65 @@ SMALL_VAE = SD_VAE | {
     "norm_num_groups": 16,
 }
 SIZES = {"small": (256, SMALL_VAE), "full": (512, SD_VAE)}
+# The bucket plan of each size: kohya's at 512 px; at 256 px the same plan at half scale (the
+# same five buckets' aspects; step 32 keeps the latent sides multiples of 4 under the /8 VAE).
+PLANS = {
+    "small": {"area": 256 * 256, "step": 32, "min_side": 128, "max_side": 512, "max_aspect": 2.0},
+    "full": {"area": 512 * 512, "step": 64, "min_side": 256, "max_side": 1024, "max_aspect": 2.0},
+}
+LAYOUT_TOKENS = ("buckets", "flips", "sampling")
 
 
-def photo_like(rng: np.random.Generator, side: int) -> np.ndarray:
-    """Noise at every scale (amplitude ~ scale): a JPEG about as costly to decode as a photo."""
-    out = np.zeros((side, side, 3), np.float32)
+# (width / height, how many of every 20 images): a LAION-like mix, see the module docstring.
+ASPECT_MIX = (
+    (1.0, 5), (1.1, 2), (1 / 1.1, 2),  # near-square, 45 %
+    (4 / 3, 3), (3 / 2, 2),  # landscape 4:3 / 3:2, 25 %
+    (16 / 9, 3),  # 15 %
+    (2 / 3, 1), (3 / 4, 2),  # portrait, 15 %
+)  # fmt: skip
+
+
+def photo_like(rng: np.random.Generator, width: int, height: int | None = None) -> np.ndarray:
+    """Noise at every scale (amplitude ~ scale): a JPEG about as costly to decode as a photo.
+    [height, width, 3] uint8; `height` defaults to `width` (a square: the same pixels as
+    before, for the same rng)."""
+    height = height or width
+    out = np.zeros((height, width, 3), np.float32)
     for cell in (256, 64, 16, 4, 1):
-        n = side // cell
-        noise = rng.normal(size=(n, n, 3)).astype(np.float32)
-        out += cell**0.5 * cv2.resize(noise, (side, side), interpolation=cv2.INTER_CUBIC)
+        nw, nh = max(1, width // cell), max(1, height // cell)
+        noise = rng.normal(size=(nh, nw, 3)).astype(np.float32)
+        out += cell**0.5 * cv2.resize(noise, (width, height), interpolation=cv2.INTER_CUBIC)
     out = (out - out.min()) / (out.max() - out.min()) * 255
     return out.astype(np.uint8)
 
 
+def mixed_sizes(side: int, count: int) -> list[tuple[int, int]]:
+    """(width, height) of `count` images in `ASPECT_MIX`'s proportions, ~`side`^2 pixels each."""
+    aspects = [a for a, n in ASPECT_MIX for _ in range(n)]
+    sizes = []
+    for i in range(count):
+        a = aspects[i % len(aspects)]
+        sizes.append((round(side * a**0.5 / 8) * 8, round(side / a**0.5 / 8) * 8))
+    return sizes
+
+
 def write_shards(
-    root: Path, num_images: int, shard_size: int, side: int, num_unique: int
+    root: Path,
+    num_images: int,
+    shard_size: int,
+    side: int,
+    num_unique: int,
+    mixed: bool = False,
 ) -> list[bytes]:
-    """`num_images` JPEGs (q90) in tar shards + token tables; returns the images in order."""
+    """`num_images` JPEGs (q90) in tar shards + token tables; returns the images in order.
+    `mixed`: of `mixed_sizes`, else `side` squares."""
     rng = np.random.default_rng(0)
+    count = min(num_images, num_unique)
+    sizes = mixed_sizes(side, count) if mixed else [(side, side)] * count
     unique = []
-    for _ in range(min(num_images, num_unique)):
+    for width, height in sizes:
         buf = io.BytesIO()
-        Image.fromarray(photo_like(rng, side)).save(buf, format="JPEG", quality=90)
+        Image.fromarray(photo_like(rng, width, height)).save(buf, format="JPEG", quality=90)
         unique.append(buf.getvalue())
     datas = [unique[i % len(unique)] for i in range(num_images)]
     for stage in ("shards", "tokens"):
@@ -105,6 +160,39 @@ def linked_root(inputs: Path, dest: Path) -> Path:
     for stage in ("shards", "tokens"):
         (dest / SOURCE / stage).symlink_to(inputs / SOURCE / stage)
     return dest
+
+
+def parse_layouts(text: str) -> list[str]:
+    """`legacy,buckets,flips+sampling` -> the layout names, legacy first (the baseline)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        bad = [t for t in name.split("+") if t not in LAYOUT_TOKENS] if name != "legacy" else []
+        if bad:
+            raise SystemExit(f"--layouts {name}: unknown {bad} (legacy, or + of {LAYOUT_TOKENS})")
+    return ["legacy"] + [n for n in dict.fromkeys(names) if n != "legacy"]
+
+
+def layout_of(name: str, model: Model, size: str) -> tuple[Model, encode.LatentSpec]:
+    """The model and latent spec a layout encodes under: legacy is `model` as given; any other
+    layout is bucketed (`PLANS[size]`), with the mirrored view and/or the log-variance."""
+    if name == "legacy":
+        return model, encode.LatentSpec.of(model)
+    tokens = set(name.split("+"))
+    bucketed = replace(model, name=f"{model.name}-buckets", buckets=PLANS[size])
+    spec = encode.LatentSpec.of(bucketed, flips="flips" in tokens, sampling="sampling" in tokens)
+    return bucketed, spec
+
+
+def written(root: Path, resolution: int) -> tuple[int, dict[str, int]]:
+    """(bytes of latents .npy files, rows per bucket) of a data root's encoded shards."""
+    latents = root / SOURCE / "latents"
+    nbytes = sum(p.stat().st_size for p in latents.glob("*.npy"))
+    rows: dict[str, int] = {}
+    for stats in read_stats(root, SOURCE, "latents"):
+        buckets = stats.extra.get("buckets") or {f"{resolution}x{resolution}": stats.num_out}
+        for bucket, n in buckets.items():
+            rows[bucket] = rows.get(bucket, 0) + n
+    return nbytes, dict(sorted(rows.items()))
 
 
 def cpu_name() -> str:
@@ -174,7 +262,20 @@ def main() -> None:
     parser.add_argument("--channels", help="the VAE's block_out_channels, e.g. 16,32,64,64")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--repeats", type=int, default=5, help="best of, each measurement")
+    parser.add_argument(
+        "--layouts",
+        default="legacy",
+        help="latent layouts timed side by side, e.g. legacy,buckets,flips,flips+sampling",
+    )
+    parser.add_argument(
+        "--aspects",
+        choices=("square", "mixed"),
+        default=None,
+        help="input shapes; default: square for legacy alone, else the LAION-like mix",
+    )
     args = parser.parse_args()
+    layouts = parse_layouts(args.layouts)
+    mixed = (args.aspects or ("square" if layouts == ["legacy"] else "mixed")) == "mixed"
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -185,6 +286,7 @@ def main() -> None:
         groups = min(32, math.gcd(*channels))
         vae_config = vae_config | {"block_out_channels": channels, "norm_num_groups": groups}
     num_images = args.num_images or (2048 if cuda else 128)
+    num_unique = 60 if mixed else 64  # the mix's 20-image cycle, 3 times
     batch_size = args.batch_size or (32 if cuda else 4)
     shard_size = args.shard_size or (256 if cuda else 64)
     workers = args.workers or encode.default_num_workers(device)
@@ -196,16 +298,20 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="sdpipe-bench-") as tmp:
         tmp = Path(tmp)
-        datas = write_shards(tmp / "inputs", num_images, shard_size, args.input_side, 64)
+        datas = write_shards(
+            tmp / "inputs", num_images, shard_size, args.input_side, num_unique, mixed
+        )
         shards = sorted(p.stem for p in (tmp / "inputs" / SOURCE / "tokens").glob("*.parquet"))
         options = dict(
             batch_size=batch_size, device=device, num_workers=workers, compile=args.compile
         )
 
-        # Warm up (VAE build, decode workers, cuDNN autotune, compile) on the first shard.
-        encode.encode_shards(
-            linked_root(tmp / "inputs", tmp / "warm"), SOURCE, shards[:1], model, **options
-        )
+        # Warm up (VAE build, decode workers, cuDNN autotune, compile) on the first shard, each
+        # layout (its own shapes) alike.
+        specs = {name: layout_of(name, model, size) for name in layouts}
+        for name, (layout_model, spec) in specs.items():
+            warm = linked_root(tmp / "inputs", tmp / f"warm-{name}")
+            encode.encode_shards(warm, SOURCE, shards[:1], layout_model, spec=spec, **options)
         cpu = time.process_time()
         decoded = [images.decode_image(d, resolution) for d in datas[:64]]
         decode_cpu_s = (time.process_time() - cpu) / len(decoded)
@@ -216,16 +322,21 @@ def main() -> None:
         num_naive = args.naive_images or (512 if cuda else num_images)
 
         gflop = gflop_per_image(model, pixels)
-        best = {"vae_only": 0.0, "pipeline": 0.0, "naive": 0.0}
+        best = {"vae_only": 0.0, "naive": 0.0} | {name: 0.0 for name in layouts}
+        outputs = {}
         encode_cpu_s, waited = float("inf"), None
         for r in range(args.repeats):
             ips, cpu_s = vae_only(model, pixels, batch_size, args.compile)
             best["vae_only"] = max(best["vae_only"], ips)
             encode_cpu_s = min(encode_cpu_s, cpu_s)
-            root = linked_root(tmp / "inputs", tmp / f"run{r}")
-            start = time.perf_counter()
-            encode.encode_shards(root, SOURCE, shards, model, **options)
-            best["pipeline"] = max(best["pipeline"], num_images / (time.perf_counter() - start))
+            for name, (layout_model, spec) in specs.items():  # interleaved: load drifts alike
+                out = linked_root(tmp / "inputs", tmp / f"run{r}-{name}")
+                start = time.perf_counter()
+                encode.encode_shards(out, SOURCE, shards, layout_model, spec=spec, **options)
+                best[name] = max(best[name], num_images / (time.perf_counter() - start))
+                outputs[name] = written(out, resolution)
+                if name == "legacy":
+                    root = out
             waited = sum(s.extra["data_wait_seconds"] for s in read_stats(root, SOURCE, "latents"))
             best["naive"] = max(best["naive"], naive(vae, datas[:num_naive], model, device))
 
@@ -241,7 +352,8 @@ def main() -> None:
         "vae_config": model.vae_config,
         "precision": "bf16 autocast" if cuda else "fp32",
         "compile": args.compile,
-        "input": f"{args.input_side}px JPEG q90 (64 distinct images, cycled)",
+        "input": f"{args.input_side}px JPEG q90 ({num_unique} distinct images, cycled)"
+        + (", LAION-like aspect mix (~input_side^2 px)" if mixed else ""),
         "output_side": resolution,
         "num_images": num_images,
         "naive_images": num_naive,
@@ -256,14 +368,33 @@ def main() -> None:
         "encode_cpu_ms_per_image": None if cuda else round(1e3 * encode_cpu_s, 2),
         "encode_to_decode_cost": None if cuda else round(encode_cpu_s / decode_cpu_s, 1),
         "vae_only_ips": round(best["vae_only"], 2),
-        "pipeline_ips": round(best["pipeline"], 2),
-        "efficiency": round(best["pipeline"] / best["vae_only"], 3),
+        "pipeline_ips": round(best["legacy"], 2),
+        "efficiency": round(best["legacy"] / best["vae_only"], 3),
         "naive_ips": round(best["naive"], 2),
-        "speedup_vs_naive": round(best["pipeline"] / best["naive"], 2),
+        "speedup_vs_naive": round(best["legacy"] / best["naive"], 2),
         "pipeline_waited_for_data_s": round(waited, 3),
         "pipeline_max_abs_diff_vs_vae_only": float(np.abs(first - reference).max()),
         "repeats": args.repeats,
     }
+    if layouts != ["legacy"] or mixed:  # legacy alone: the output of earlier runs, as it was
+        aspects = [round(w / h, 2) for w, h in mixed_sizes(args.input_side, num_unique)]
+        counts = {}
+        for i in range(num_images):
+            key = str(aspects[i % num_unique]) if mixed else "1.0"
+            counts[key] = counts.get(key, 0) + 1
+        result["input_aspects"] = dict(sorted(counts.items(), key=lambda kv: float(kv[0])))
+        result["bucket_plan"] = PLANS[size]
+        result["layouts"] = {
+            name: {
+                "ips": round(best[name], 2),
+                "ratio_to_legacy": round(best[name] / best["legacy"], 3),
+                "views": spec.views,
+                "channels": spec.channels,
+                "latent_bytes_per_image": round(outputs[name][0] / num_images),
+                "bucket_rows": outputs[name][1],
+            }
+            for name, (_, spec) in specs.items()
+        }
     print(json.dumps(result, indent=1))
 
 

@@ -181,6 +181,7 @@ def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project:
             [
                 f"# curriculum {spec.name}",
                 f"- samples in the mix: {report['num_samples']}",
+                *([f"- {line}"] if (line := bucket_line(summary)) else []),
                 f"- steps: {summary['steps']}/{summary['total_steps']} on "
                 f"{summary['world_size']} ranks (resumed from step {summary['resumed_from_step']})",
                 f"- loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}; best "
@@ -212,3 +213,17 @@ def _key(name: str) -> str:
 
 if __name__ == "__main__":
     curriculum()
+
+
+def bucket_line(summary: dict) -> str | None:
+    """A run summary's training rows per aspect bucket, and those left out; None: one bucket."""
+    buckets = summary.get("buckets")
+    if not buckets:
+        return None
+    left = sum((summary.get("left_out") or {}).values())
+    small = ", ".join(f"{b} {n}" for b, n in (summary.get("small_buckets") or {}).items())
+    return (
+        "aspect buckets (training rows): "
+        + ", ".join(f"{name} {rows}" for name, rows in buckets.items())
+        + (f"; {left} rows left out as small_bucket ({small})" if left else "")
+    )

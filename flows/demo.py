@@ -15,6 +15,7 @@ from pathlib import Path
 
 from flows import local, progress
 from flows.build_latents import source_summary
+from flows.curriculum import bucket_line
 from flows.stages import DISPLAY
 from tasks import eval_report
 from tasks.shards import data_root
@@ -67,14 +68,8 @@ def format_summary(root: Path, port: int, seconds: float) -> str:
         f"checkpoint: {summary['checkpoint']}",
         f"sample grid: {summary['sample_grid']}",
     ]
-    if buckets := summary.get("buckets"):  # a bucketed set: training rows per aspect bucket
-        left = sum(summary.get("left_out", {}).values())
-        lines.insert(
-            -2,
-            "aspect buckets (training rows): "
-            + ", ".join(f"{name} {rows}" for name, rows in buckets.items())
-            + (f"; {left} rows left out (small_bucket)" if left else ""),
-        )
+    if line := bucket_line(summary):  # a bucketed set: training rows per aspect bucket
+        lines.insert(-2, line)
     if scores := eval_report.read_summary(root, "demo"):
         lines += [
             "",
