@@ -29,6 +29,7 @@ from tasks import encode, images, latent_keys
 from tasks.buckets import BucketPlan
 from tasks.shards import TMP_MARK, ShardStats
 from tests.tasks.test_encode import SOURCE, texture, write_shard
+from tests.tasks.test_encode import assert_close_to_reference as assert_close
 
 SHARD = "00000"
 PLAN = {"area": 64 * 64, "step": 16, "min_side": 32, "max_side": 128, "max_aspect": 2}
@@ -121,17 +122,6 @@ def reference_posterior(vae, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray
 # The encodes compared with the fp32 reference run on the CPU, in fp32, wherever the suite runs:
 # on a GPU the encoder autocasts to bf16 (seen on an H100: 0.003 off, past 1% of the spread).
 EXACT = "cpu"
-
-
-def assert_close(latent: np.ndarray, reference: np.ndarray, key: str) -> None:
-    # fp16 storage: equal within 1% of the reference's spread.
-    np.testing.assert_allclose(
-        latent.astype(np.float32),
-        reference,
-        rtol=0,
-        atol=1e-2 * float(reference.std()),
-        err_msg=key,
-    )
 
 
 def token_order() -> list[str]:
