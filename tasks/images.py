@@ -196,16 +196,27 @@ def decode_rgb(data: bytes, size: int, *, reduce: int | None = None) -> np.ndarr
 
 def fit(rgb: np.ndarray, size: int) -> np.ndarray:
     """Short side resized to `size`, then the center `size` x `size` crop."""
+    return cover(rgb, (size, size))
+
+
+def cover(rgb: np.ndarray, bucket: tuple[int, int]) -> np.ndarray:
+    """`rgb` resized to cover `bucket` (width, height) and center-cropped to it
+    (`buckets.cover_box`): INTER_AREA down, INTER_CUBIC up."""
+    check_aspect(rgb)
+    h, w = rgb.shape[:2]
+    bw, bh = bucket
+    new_w, new_h, left, top = buckets.cover_box(w, h, bucket)
+    if (new_w, new_h) != (w, h):
+        interpolation = cv2.INTER_AREA if new_w * new_h < w * h else cv2.INTER_CUBIC
+        rgb = cv2.resize(rgb, (new_w, new_h), interpolation=interpolation)
+    return np.ascontiguousarray(rgb[top : top + bh, left : left + bw])
+
+
+def check_aspect(rgb: np.ndarray) -> None:
+    """A sliver past MAX_ASPECT is dropped (`extreme_aspect`)."""
     h, w = rgb.shape[:2]
     if max(h, w) > MAX_ASPECT * min(h, w):
         raise Unusable("extreme_aspect")
-    scale = size / min(h, w)
-    new_w, new_h = max(size, round(w * scale)), max(size, round(h * scale))
-    if (new_w, new_h) != (w, h):
-        interpolation = cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC
-        rgb = cv2.resize(rgb, (new_w, new_h), interpolation=interpolation)
-    top, left = (new_h - size) // 2, (new_w - size) // 2
-    return np.ascontiguousarray(rgb[top : top + size, left : left + size])
 
 
 def decode_image(data: bytes, size: int) -> np.ndarray:
@@ -309,9 +320,8 @@ def shrink(rgb: np.ndarray, target: tuple[int, int]) -> np.ndarray:
     """`rgb` resized to `target` (width, height), the stored size of the full-size region it
     shows (maybe decoded reduced): INTER_AREA, as a reduced decode keeps at least the target's
     sides (INTER_CUBIC only where a crop box's rounding left a side a pixel short)."""
+    check_aspect(rgb)
     h, w = rgb.shape[:2]
-    if max(h, w) > MAX_ASPECT * min(h, w):
-        raise Unusable("extreme_aspect")
     if (w, h) == target:
         return np.ascontiguousarray(rgb)
     down = w >= target[0] and h >= target[1]
@@ -572,11 +582,9 @@ _plans: dict[str, tuple] = {}
 
 def _plan(plan: dict) -> tuple:
     """(BucketPlan, its sizes) of a plan's dict, built once per worker."""
-    from tasks.buckets import BucketPlan  # numpy only, like this module
-
     key = json.dumps(plan, sort_keys=True)
     if key not in _plans:
-        built = BucketPlan(**plan)
+        built = buckets.BucketPlan(**plan)
         _plans[key] = (built, built.sizes())
     return _plans[key]
 
@@ -598,23 +606,14 @@ def decode_to_bucket(data: bytes, plan: dict) -> tuple[int, np.ndarray]:
     bytes: the decode rules above, the bucket nearest the decoded image's aspect ratio, resized
     to cover it (INTER_AREA down, INTER_CUBIC up) and center-cropped (`buckets.cover_box`).
     Raises Unusable with the drop reason."""
-    from tasks.buckets import cover_box
-
     built, sizes = _plan(plan)
     try:
         fmt = sniff(data)
         rgb = decode_rgb(data, _cover_side(header_size(data, fmt), built, sizes))
+        check_aspect(rgb)
         h, w = rgb.shape[:2]
-        if max(h, w) > MAX_ASPECT * min(h, w):
-            raise Unusable("extreme_aspect")
         bucket = int(built.assign([w], [h])[0])
-        bw, bh = sizes[bucket].tolist()
-        new_w, new_h, left, top = cover_box(w, h, (bw, bh))
-        if (new_w, new_h) != (w, h):
-            shrink = new_w * new_h < w * h
-            interpolation = cv2.INTER_AREA if shrink else cv2.INTER_CUBIC
-            rgb = cv2.resize(rgb, (new_w, new_h), interpolation=interpolation)
-        return bucket, np.ascontiguousarray(rgb[top : top + bh, left : left + bw])
+        return bucket, cover(rgb, tuple(sizes[bucket].tolist()))
     except cv2.error:
         raise Unusable("decode_error") from None
 
