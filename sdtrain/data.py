@@ -98,7 +98,7 @@ class PhaseSet(Dataset):
         self.seed, self.flip_p = seed, flip_p
         self.captions = captions  # train-time captions (sdtrain.captions): ids drawn per epoch
         latent_paths = [phase_dir / "latents" / f"{n}.npy" for n in self.names]
-        tails = self._describe(files, latent_paths)
+        tails = self._describe(phase_dir, files)
         # Mapped on first use: opening reads no file (10,000 shards open in a blink).
         self.latents = _Mapped(latent_paths, [f["latent_rows"] for f in files], tails)
         token_files = [phase_dir / "tokens" / f"{n}.npy" for n in self.names]
@@ -119,22 +119,19 @@ class PhaseSet(Dataset):
         if in_ram:
             self._load_into_ram(num_threads)
 
-    def _describe(self, files: list[dict], paths: list[Path]) -> list[tuple[int, ...]]:
-        """Each file's bucket, views and channels; returns the (V, C, h, w) its array must hold."""
-        named = any("bucket" in f for f in files)
-        tails, first = [], None
-        for entry, path in zip(files, paths, strict=True):
-            if "bucket" in entry:
-                h, w = latent_sides(entry["bucket"])
-                tail = (int(entry.get("views", 1)), int(entry.get("channels", 4)), h, w)
-            else:
-                if named or first is None:
-                    shape = tuple(layout.npy_shape(path))
-                    first = first or shape
-                else:
-                    shape = first
-                tail = shape[1:] if len(shape) == 5 else (1, *shape[1:])
-            tails.append(tuple(int(x) for x in tail))
+    def _describe(self, phase_dir: Path, files: list[dict]) -> list[tuple[int, ...]]:
+        """Each file's bucket, views and channels (its `files.json` entry, or its header:
+        `layout.with_file_fields`); returns the (V, C, h, w) its array must hold."""
+        tails = []
+        for entry in files:
+            if not entry["bucket"]:
+                raise FileNotFoundError(
+                    f"{phase_dir / 'latents'}: none of the set's legacy latents files is "
+                    f"there (e.g. {entry['name']}.npy): build the sources' latents, then mix "
+                    "the phase again"
+                )
+            h, w = latent_sides(entry["bucket"])
+            tails.append((int(entry.get("views", 1)), int(entry.get("channels", 4)), h, w))
         buckets = [bucket_name(h, w) for _, _, h, w in tails]
         self.bucket_names = sorted(set(buckets))
         code = {b: i for i, b in enumerate(self.bucket_names)}

@@ -264,22 +264,37 @@ def latent_layout(path: Path) -> tuple[str, int, int]:
 def with_file_fields(folder: Path, files: list[dict]) -> list[dict]:
     """The file entries with `bucket`, `views`, `channels`: an entry written without them gets
     them from its latents' header. The legacy files of a set (`<source>-<shard>`) are of one
-    shape, as the trainer has always read them: the first one's header stands for all (a set of
-    10,000 opens without reading 10,000 headers); a bucket's file (a derived index) is read."""
+    shape, as the trainer has always read them: one header stands for all (a set of 10,000
+    opens without reading 10,000 headers), the first that is there; a missing file is named by
+    the set's reader when it maps it, and with none there the bucket is "" (unknown). A bucket's
+    file (a derived index) is read, or its name says its bucket."""
     legacy: tuple[str, int, int] | None = None
+
+    def legacy_fields() -> tuple[str, int, int]:
+        nonlocal legacy
+        if legacy is None:
+            names = [f["name"] for f in files if "bucket" not in f]
+            for name in (n for n in names if not BUCKET_FILE.search(n)):
+                try:
+                    legacy = latent_layout(folder / "latents" / f"{name}.npy")
+                    break
+                except FileNotFoundError:
+                    continue
+            else:  # none is there: the shape is unknown ("" bucket); a reader that needs it says so
+                legacy = "", 1, 4
+        return legacy
+
     out = []
     for entry in files:
         if "bucket" not in entry:
             name = entry["name"]
-            if BUCKET_FILE.search(name) or legacy is None:
+            if bucket := BUCKET_FILE.search(name):
                 try:
                     fields = latent_layout(folder / "latents" / f"{name}.npy")
-                except FileNotFoundError:  # the set's reader names a missing file when it maps it
-                    fields = (BUCKET_FILE.search(name) or [None, ""])[1], 1, 4
-                if not BUCKET_FILE.search(name):
-                    legacy = fields
+                except FileNotFoundError:  # named by the set's reader when it maps it
+                    fields = bucket[1], 1, 4
             else:
-                fields = legacy
+                fields = legacy_fields()
             entry = {**entry, **dict(zip(("bucket", "views", "channels"), fields, strict=True))}
         out.append(entry)
     return out

@@ -121,3 +121,28 @@ def test_epoch_sampler_order_is_the_int64_permutation_of_seed_and_epoch(num_samp
     got = list(sampler)
     assert got == order[99:][1::3].tolist() and len(sampler) == len(got) == num_samples // 3 - 33
     assert all(type(i) is int for i in got[:10])
+
+
+def test_a_latents_file_gone_fails_naming_it_when_its_rows_are_read(phase_dir, tmp_path):
+    """The set still opens (its other files are read) when the first legacy file is gone: no
+    header of it stands for the set's shape, and reading its rows names it."""
+    moved = tmp_path / "moved"
+    shutil.copytree(phase_dir, moved, symlinks=True)
+    gone = moved / "latents" / "demo-00000.npy"
+    gone.unlink()
+    data = PhaseSet(moved)
+    assert data.bucket_names == ["64x64"]
+    np.testing.assert_array_equal(
+        data[16][0].numpy(), np.load(phase_dir / "latents" / "demo-00001.npy")[0].astype(np.float32)
+    )
+    with pytest.raises(FileNotFoundError, match="demo-00000.npy"):
+        data[0]
+
+
+def test_a_set_whose_latents_are_all_gone_fails_at_open_naming_them(phase_dir, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(phase_dir, moved, symlinks=True)
+    for p in (moved / "latents").glob("*.npy"):
+        p.unlink()
+    with pytest.raises(FileNotFoundError, match=r"latents: none of .* demo-00000.npy.*mix"):
+        PhaseSet(moved)
