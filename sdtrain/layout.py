@@ -41,7 +41,7 @@ ROWS = "rows.npy"
 FILES = "files.json"
 
 
-def _codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndarray]:
+def column_codes(column: pa.ChunkedArray | pa.Array) -> tuple[list[str], np.ndarray]:
     """(distinct values, int32 code per row) of a string or dictionary column, no row objects."""
     if isinstance(column, pa.Array):
         column = pa.chunked_array([column])
@@ -65,14 +65,14 @@ def file_index(
 ) -> tuple[list[str], np.ndarray]:
     """(file names sorted, int32 file of each row), vectorised: a file per (source, shard,
     bucket) used (`file_name`; no bucket column: every row's bucket is "")."""
-    sources, source_codes = _codes(source)
-    shards, shard_codes = _codes(shard)
+    sources, source_codes = column_codes(source)
+    shards, shard_codes = column_codes(shard)
     if not len(source_codes):
         return [], np.empty(0, np.int32)
     if bucket is None:
         buckets = [""]
     else:
-        buckets, bucket_codes = _codes(bucket)
+        buckets, bucket_codes = column_codes(bucket)
     if len(sources) == 1 and len(buckets) == 1:
         pair = shard_codes
     else:

@@ -81,16 +81,7 @@ class EncodedShard:
                     f"{' and '.join(missing)} is missing (on some rows); encode the shard again "
                     f"(remove {self.source}/latents/{self.name}{RECORD})"
                 )
-            column = self.keys["bucket"]
-            if not pa.types.is_dictionary(column.type):
-                column = pc.dictionary_encode(column)
-            column = pa.table({"b": column}).unify_dictionaries()["b"]
-            if column.num_chunks == 0 or len(column) == 0:
-                self._buckets = [], np.empty(0, np.int32)
-            else:
-                names = column.chunk(0).dictionary.to_pylist()
-                codes = [c.indices.to_numpy(zero_copy_only=False) for c in column.chunks]
-                self._buckets = names, np.concatenate(codes).astype(np.int32, copy=False)
+            self._buckets = layout.column_codes(self.keys["bucket"])
         return self._buckets
 
     def legacy_layout(self) -> tuple[str, int, int]:
