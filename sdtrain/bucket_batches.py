@@ -39,3 +39,12 @@ def bucketed_batches(counts: np.ndarray, global_batch: int, world_size: int) -> 
     bucket with at least one global batch of rows, its full batches plus a short last batch
     when its leftover rows are at least `world_size` (fewer join the previous batch)."""
     return int(batches_per_bucket(counts, global_batch, world_size).sum())
+
+
+def uses_bucketed_sampler(
+    num_buckets: int, *, flips: bool, latent_draws: bool, train_time_captions: bool
+) -> bool:
+    """Whether a run batches by bucket (`BucketBatchSampler`, items (row, epoch)): several
+    buckets, or flips, latent draws or train-time captions, each of which needs the epoch with
+    the row. Otherwise the plain sampler (`EpochSampler`) and its order, as before buckets."""
+    return num_buckets > 1 or flips or latent_draws or train_time_captions

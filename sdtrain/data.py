@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from sdtrain import layout
-from sdtrain.bucket_batches import bucketed_batches
+from sdtrain.bucket_batches import bucketed_batches, uses_bucketed_sampler
 from sdtrain.captions import TrainTimeCaptions
 from sdtrain.objective import FLIP_STREAM, LATENT_STREAM, ORDER_STREAM
 
@@ -144,11 +144,11 @@ class PhaseSet(Dataset):
     def bucketed(self) -> bool:
         """Read by `BucketBatchSampler`: several buckets, flips, latent draws or train-time
         captions (each needs the epoch with the row, which only that sampler gives)."""
-        return (
-            len(self.bucket_names) > 1
-            or self.flip_p > 0
-            or self.draws_latents
-            or self.captions is not None
+        return uses_bucketed_sampler(
+            len(self.bucket_names),
+            flips=self.flip_p > 0,
+            latent_draws=self.draws_latents,
+            train_time_captions=self.captions is not None,
         )
 
     @property

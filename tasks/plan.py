@@ -23,10 +23,16 @@ from pathlib import Path
 import numpy as np
 
 from catalog import Catalog, Phase
-from sdtrain.bucket_batches import SMALL_BUCKET, batches_per_bucket, small_buckets
+from sdtrain.bucket_batches import (
+    SMALL_BUCKET,
+    batches_per_bucket,
+    small_buckets,
+    uses_bucketed_sampler,
+)
 from sdtrain.config import run_config_for_phase
 from sdtrain.schedules import total_optimizer_steps
 from tasks import mix
+from tasks.buckets import parse as bucket_sides
 
 TOKEN_BYTES = 77 * 4  # int32 ids per sample
 
@@ -65,12 +71,17 @@ def plan_phase(
     config = run_config_for_phase(phase, phase_dir="", run_dir="")
     num_train = max(0, num_samples - config.num_val_samples)
     resolution = catalog.model(phase.model).resolution
-    names, drawn, train, latent_bytes = drawn_buckets(
+    names, drawn, train, latent_bytes, sampled = drawn_buckets(
         phase, viewed, datasets, config.num_val_samples, config.seed, f"{resolution}x{resolution}"
     )
     bucket_batch = config.batch_size * world_size  # one global batch of the sampler
     per_bucket = batches_per_bucket(train, bucket_batch, world_size)
-    bucketed = np.count_nonzero(train) > 1 or _flips(phase)
+    bucketed = uses_bucketed_sampler(
+        int(np.count_nonzero(drawn)),
+        flips=phase.flip_p > 0,
+        latent_draws=sampled and phase.sample_latents,
+        train_time_captions=phase.train_time_captions,
+    )
     if bucketed:
         batches_per_rank = int(per_bucket.sum())
     else:  # the plain sampler: each rank's share of one permutation, in whole batches
@@ -130,16 +141,11 @@ def plan_phase(
     }
 
 
-def _flips(phase: Phase) -> bool:
-    """Whether the phase trains on mirrored images too (`flip_p`, issue 20; absent before it):
-    the sampler then batches by bucket even for one bucket."""
-    return bool(getattr(phase, "flip_p", 0.0))
-
-
 def drawn_buckets(
     phase: Phase, viewed: dict, datasets: list[dict], num_val: int, seed: int, square: str
-) -> tuple[list[str], np.ndarray, np.ndarray, int]:
-    """(bucket names sorted, rows drawn per bucket, training rows per bucket, latent bytes) of
+) -> tuple[list[str], np.ndarray, np.ndarray, int, bool]:
+    """(bucket names sorted, rows drawn per bucket, training rows per bucket, latent bytes,
+    whether any drawn latent holds a log-variance) of
     the rows the mix would draw: each dataset's seeded mask (`mix.draw`), its rows' buckets a
     shard at a time, and the rows `split_rows` holds out for validation taken off by position
     in the phase set (manifest order: datasets in mix order, each in its view's order).
@@ -156,7 +162,7 @@ def drawn_buckets(
     code: dict[str, int] = {}
     drawn: list[np.ndarray] = []  # per shard (or planted view), rows drawn per code
     held: list[np.ndarray] = []
-    latent_bytes, offset = 0, 0
+    latent_bytes, offset, sampled = 0, 0, False
     for d in datasets:
         view = viewed[d["dataset"]]
         mask = mix.draw(phase, d["dataset"], view.num_rows, d["taken"])
@@ -177,7 +183,8 @@ def drawn_buckets(
                 names, np.bincount(codes, minlength=len(names)).tolist(), strict=True
             ):
                 views, channels = layouts[n]
-                width, height = (int(x) for x in n.split("x"))
+                width, height = bucket_sides(n)
+                sampled |= bool(count) and channels == 8
                 latent_bytes += count * views * channels * (width // 8) * (height // 8) * 2
     order = sorted(code, key=_bucket_order)
     total, kept = np.zeros(len(code), np.int64), np.zeros(len(code), np.int64)
@@ -185,12 +192,12 @@ def drawn_buckets(
         total[: len(a)] += a
         kept[: len(a)] += a - b
     at = np.array([code[n] for n in order], np.int64)
-    return order, total[at], kept[at], latent_bytes
+    return order, total[at], kept[at], latent_bytes, sampled
 
 
 def _bucket_order(name: str) -> tuple[float, str]:
     """Buckets by aspect ratio (width / height), as a plan lists them."""
-    width, height = (int(x) for x in name.split("x"))
+    width, height = bucket_sides(name)
     return width / height, name
 
 

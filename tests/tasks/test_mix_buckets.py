@@ -319,6 +319,10 @@ def test_plan_of_one_square_bucket_counts_as_the_plain_sampler(bucketed_root):
     assert not report["bucketed_sampler"] and report["batches_per_rank"] == 2
     assert report["steps"] == 4 and report["left_out"]["small_bucket"]["buckets"] == []
     assert "buckets: 16x16 (one bucket, no flips" in plan.format_plan(report)
+    # Train-time captions need the epoch with each row: the trainer batches by bucket then.
+    p = phase(MixEntry(dataset="b", count=26), train_time_captions=True)
+    report = plan.plan_phase(root, catalog(root, p1=p), p, world_size=2)
+    assert report["bucketed_sampler"] and report["batches_per_rank"] == 2
 
 
 def test_a_keys_file_with_buckets_but_missing_bucket_rows_fails_naming_the_shard(
