@@ -245,12 +245,9 @@ class PhaseSet(Dataset):
         f, latent_row = self.rows[row, :2].tolist()
         return self.latents[f][latent_row]
 
-    def token_ids(self, row: int, epoch: int | None) -> np.ndarray:
-        """The row's token ids in `epoch`, int32 [77]: drawn from its captions for the epoch when
-        the phase tokenizes at train time, else (and without an epoch: validation, evaluation)
-        the ids stored by the tokenize stage."""
-        if self.captions is not None and epoch is not None:
-            return self.captions.ids(row, epoch)
+    def token_ids(self, row: int) -> np.ndarray:
+        """The row's token ids stored by the tokenize stage, int32 [77] (train-time captions
+        are text in the items, tokenized by `collate`)."""
         if self.in_ram:
             return self.tokens[0][row]
         f, _, token_row = self.rows[row].tolist()
@@ -270,7 +267,7 @@ class PhaseSet(Dataset):
         if self.captions is not None and epoch is not None:
             # The epoch's caption as text: `collate` tokenizes the batch's captions in one call.
             return torch.from_numpy(latent), self.captions.caption(row, epoch), row
-        ids = self.token_ids(row, epoch)
+        ids = self.token_ids(row)
         return torch.from_numpy(latent), torch.from_numpy(ids.astype(np.int64)), row
 
 
