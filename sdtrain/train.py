@@ -195,7 +195,8 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
     # Data: validation rows held out by a seeded draw; the rest in a per-epoch seeded order.
     phase_set = mode.dataset()
     train_rows, val_rows = split_rows(len(phase_set), config.num_val_samples, config.seed)
-    # Several buckets, flips or latent draws: batches of one bucket, items (row, epoch).
+    # Several buckets, flips, latent draws or train-time captions: batches of one bucket, items
+    # (row, epoch) (`bucket_batches.uses_bucketed_sampler`).
     bucketed = isinstance(phase_set, PhaseSet) and phase_set.bucketed
     loading = dict(
         num_workers=config.num_workers,
@@ -336,7 +337,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             raise CheckpointError(
                 f"{resume_from}: written by a run that read its phase set "
                 f"{orders[was_bucketed]}, this run reads it {orders[bucketed]} (flip_p, "
-                "sample_latents or the set's buckets changed); resume with the same settings "
+                "sample_latents, train_time_captions or the set's buckets changed); resume with the same settings "
                 "or use a new run_dir"
             )
         step, epoch = state["step"], state["epoch"]
