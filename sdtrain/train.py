@@ -337,8 +337,8 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             raise CheckpointError(
                 f"{resume_from}: written by a run that read its phase set "
                 f"{orders[was_bucketed]}, this run reads it {orders[bucketed]} (flip_p, "
-                "sample_latents, train_time_captions or the set's buckets changed); resume with the same settings "
-                "or use a new run_dir"
+                "sample_latents, train_time_captions or the set's buckets changed); resume "
+                "with the same settings or use a new run_dir"
             )
         step, epoch = state["step"], state["epoch"]
         done = state["batches_done"] if bucketed else state["samples_done"]
