@@ -19,7 +19,8 @@ from sdtrain import layout
 from sdtrain.captions import CaptionSettings, TrainTimeCaptions, write_captions
 from tasks import mix
 from tasks.tokenize import tokens_table
-from tests.tasks.test_mix import MixEntry, catalog, phase
+from tests.tasks.test_mix import SIZES, MixEntry, catalog, phase
+from tests.tasks.test_mix import views  # noqa: F401 (the fixture mix draws from)
 
 TAGS = "scr800, solo, pony, blue eyes, smiling, outdoors, tree, sky, grass, flowers"
 
@@ -160,23 +161,10 @@ def test_write_captions_takes_each_rows_captions_in_manifest_order(tmp_path, mon
     assert batch[:3] == ["b two", "b two", "old one"]
 
 
-def test_mix_writes_captions_for_a_phase_that_tokenizes_at_train_time(tmp_path, monkeypatch):
-    def view(root, catalog, dataset):
-        n = 30
-        return pa.table(
-            {
-                "source": [dataset] * n,
-                "shard": ["00000"] * n,
-                "latent_row": list(range(n)),
-                "token_row": list(range(n)),
-                "key": [f"{dataset}-{i:04d}" for i in range(n)],
-                "dataset": [dataset] * n,
-            }
-        )
-
-    monkeypatch.setattr(mix, "dataset_view", view)
+@pytest.mark.usefixtures("views")
+def test_mix_writes_captions_for_a_phase_that_tokenizes_at_train_time(tmp_path):
     for source in ("a", "b"):
-        keys = [f"{source}-{i:04d}" for i in range(30)]
+        keys = [f"{source}-{i:04d}" for i in range(SIZES[source])]
         (tmp_path / source / "tokens").mkdir(parents=True)
         table = tokens_table(keys, [f"caption of {k}" for k in keys])
         pq.write_table(table, tmp_path / source / "tokens" / "00000.parquet")
