@@ -225,3 +225,32 @@ def one_rank_run(make_config, tmp_path_factory):
     config = make_config(tmp_path_factory.mktemp("run-1-rank"))
     with one_torch_thread():  # session fixtures start before the module-scoped one
         return config, train(config)
+
+
+def sigterm_at_draw(monkeypatch, call: int):
+    """SIGTERM to this process at the `call`-th noise draw of the trainer (the loop's draws,
+    the mode's, and validation's): a cancel arriving mid-run, at a chosen point. Returns the
+    function that puts the plain draws back (for the rerun)."""
+    import os
+    import signal
+
+    from sdtrain import modes
+    from sdtrain import train as train_module
+
+    calls = []
+    draw_noise = train_module.draw_noise
+
+    def signalled_draw_noise(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return draw_noise(*args, **kwargs)
+
+    for module in (train_module, modes):
+        monkeypatch.setattr(module, "draw_noise", signalled_draw_noise)
+
+    def restore() -> None:
+        for module in (train_module, modes):
+            monkeypatch.setattr(module, "draw_noise", draw_noise)
+
+    return restore

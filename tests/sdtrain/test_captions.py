@@ -19,8 +19,13 @@ from sdtrain import layout
 from sdtrain.captions import CaptionSettings, TrainTimeCaptions, write_captions
 from tasks import mix
 from tasks.tokenize import tokens_table
-from tests.tasks.test_mix import SIZES, MixEntry, catalog, phase
-from tests.tasks.test_mix import views  # noqa: F401 (the fixture mix draws from)
+from tests.tasks.test_mix import (
+    SIZES,
+    MixEntry,
+    catalog,
+    phase,
+    views,  # noqa: F401 (the fixture mix draws from)
+)
 
 TAGS = "scr800, solo, pony, blue eyes, smiling, outdoors, tree, sky, grass, flowers"
 

@@ -31,7 +31,7 @@ from sdtrain.monitor import read_log
 from sdtrain.runtime import build_optimizer, load_optimizer_state
 from sdtrain.train import TrainingInterrupted, epoch_batches, train
 
-from .conftest import bucket_latents, write_phase_set
+from .conftest import bucket_latents, sigterm_at_draw, write_phase_set
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -180,25 +180,14 @@ def test_a_bucketed_flipped_run_resumes_mid_epoch_bitwise(
     assert reference_summary["small_buckets"] == {"48x80": 2}
     assert reference_summary["buckets"] == {"64x64": 20, "80x48": 14}
     config = make_bucketed_config(tmp_path, sample_every=0)
-    calls = []
-    draw_noise = train_module.draw_noise
-
-    def signalled_draw_noise(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:  # the first micro-batch of step 3: a cancel arrives
-            os.kill(os.getpid(), signal.SIGTERM)
-        return draw_noise(*args, **kwargs)
-
-    for module in (train_module, modes):
-        monkeypatch.setattr(module, "draw_noise", signalled_draw_noise)
+    plain_draws = sigterm_at_draw(monkeypatch, 5)  # step 3's first micro-batch: a cancel
     with pytest.raises(TrainingInterrupted, match="at step 3/6"):
         train(config)
     state = read_trainer_state(tmp_path / "checkpoints" / "latest", torch.device("cpu"))
     # 5 batches an epoch: step 3's second micro-batch is the epoch's second batch.
     assert (state["epoch"], state["batches_done"], state["samples_done"]) == (1, 1, None)
     assert state["run_shape"]["batches_per_epoch"] == 5
-    for module in (train_module, modes):
-        monkeypatch.setattr(module, "draw_noise", draw_noise)
+    plain_draws()
 
     summary = train(config)
     assert summary["resumed_from_step"] == 3 and summary["steps"] == 6

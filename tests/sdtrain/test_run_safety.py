@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import signal
 import threading
 from pathlib import Path
 
@@ -30,6 +29,8 @@ from sdtrain.monitor import read_log
 from sdtrain.train import TrainingDiverged, TrainingInterrupted, train
 from tasks.shards import replace_dir
 
+from .conftest import sigterm_at_draw
+
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
     return load_file(str(Path(run_dir) / "final" / "unet.safetensors"))
@@ -41,22 +42,11 @@ def test_a_signal_between_log_steps_checkpoints_at_the_next_step(
     reference, _ = one_rank_run
     # Logs every 4 steps, no periodic checkpoint: the stop is seen at the next step anyway.
     config = make_config(tmp_path, log_every=4, checkpoint_every=0, keep_every=0, sample_every=0)
-    calls = []
-    draw_noise = train_module.draw_noise
-
-    def signalled_draw_noise(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:  # the first micro-batch of step 3: a cancel arrives
-            os.kill(os.getpid(), signal.SIGTERM)
-        return draw_noise(*args, **kwargs)
-
-    for module in (train_module, modes):  # the loop's draws (the mode's) and validation's
-        monkeypatch.setattr(module, "draw_noise", signalled_draw_noise)
+    plain_draws = sigterm_at_draw(monkeypatch, 5)  # step 3's first micro-batch: a cancel
     with pytest.raises(TrainingInterrupted, match="at step 3/6"):
         train(config)
     assert os.readlink(tmp_path / "checkpoints" / "latest") == "step-000003"
-    for module in (train_module, modes):
-        monkeypatch.setattr(module, "draw_noise", draw_noise)
+    plain_draws()
     assert train(config)["resumed_from_step"] == 3
     reference_weights = final_weights(reference.run_dir)
     resumed = final_weights(tmp_path)
