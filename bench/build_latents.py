@@ -40,7 +40,7 @@ os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 def stage_walls(root: Path, source: str, stages) -> dict[str, tuple[float, float, int]]:
     """Per stage: (first shard's start, last shard's end, shards), from the stats records."""
-    from tasks.shards import read_stats, stats_path
+    from tasks.runtime.shards import read_stats, stats_path
 
     out = {}
     for stage in stages:
@@ -75,7 +75,7 @@ def main() -> None:
     from flows import pools
     from flows.build_latents import STAGES, build_latents
     from flows.stages import DISPLAY
-    from tasks.shards import read_stats
+    from tasks.runtime.shards import read_stats
 
     root = work / "data"
     params = {"source": "demo", "data_root": str(root)}

@@ -1,6 +1,6 @@
 """Dedup at scale: pHash near-duplicates over N hashes, or semantic dedup over N embeddings.
 
-pHash (`tasks.dedup.phash_losers`, end to end: distinct hashes, pairs, survivor rule):
+pHash (`tasks.curation.dedup.phash_losers`, end to end: distinct hashes, pairs, survivor rule):
 - default: uniform 64-bit hashes plus 1% planted near copies and 0.5% one blank hash;
 - `--clustered`: hashes as real pHashes cluster: 2% near-blank (4 flat patterns, 0-3 of 16
   noisy bits flipped), 5% templated (groups of Zipf sizes up to 5,000, 0-6 of a template's
@@ -99,8 +99,8 @@ def machine() -> dict:
 
 
 def bench_phash(args) -> dict:
-    from tasks import phash_dedup
-    from tasks.dedup import phash_losers
+    from tasks.curation import phash_dedup
+    from tasks.curation.dedup import phash_losers
 
     def run(n: int) -> tuple[float, float, dict]:
         if args.clustered:
@@ -182,7 +182,7 @@ def clip_like(n: int, dim: int = 768, seed: int = 0, chunk: int = 50_000):
 def bench_semantic(args) -> dict:
     import torch
 
-    from tasks.semantic_dedup import Parts, SemanticIndex, screen
+    from tasks.curation.semantic_dedup import Parts, SemanticIndex, screen
 
     threshold = 0.95
     start = time.perf_counter()
@@ -245,7 +245,7 @@ def _visited(index) -> np.ndarray:
 
 def agreement(x: np.ndarray, pairs: np.ndarray, rank: np.ndarray, device, threshold) -> dict:
     """The sample judged by clusters (default settings) and by all pairs (one cluster)."""
-    from tasks.semantic_dedup import Parts, SemanticIndex
+    from tasks.curation.semantic_dedup import Parts, SemanticIndex
 
     n = len(x)
     rank = np.argsort(np.argsort(rank[:n]))

@@ -41,7 +41,7 @@ def main() -> None:
 
     from flows.build_latents import STAGES, build_latents
     from flows.stages import DISPLAY
-    from tasks.shards import read_stats
+    from tasks.runtime.shards import read_stats
 
     root = work / "data"
     start = time.perf_counter()

@@ -53,8 +53,8 @@ from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
 
 from catalog import Model
-from tasks import encode, images
-from tasks.shards import read_stats
+from tasks.latents import encode, images
+from tasks.runtime.shards import read_stats
 
 SOURCE = "bench"
 SD_VAE = {  # stabilityai/sd-vae-ft-mse

@@ -1,4 +1,5 @@
-"""The eval of one category at SD1.5 size, random weights: seconds per part of `tasks.evaluate`.
+"""The eval of one category at SD1.5 size, random weights: seconds per part of
+`tasks.evaluation.evaluate`.
 
 `--size full`: the SD1.5 UNet (860M), SD's VAE and CLIP-L text encoder shapes, the ViT-L/14
 scorer and the FID Inception, all with random weights; one category of the default eval set (20
@@ -134,7 +135,7 @@ def main() -> None:
         write_catalog(work, args.size, args.prompts, args.seeds, args.steps)
     )
     from catalog import load_catalog
-    from tasks.evaluate import evaluate
+    from tasks.evaluation.evaluate import evaluate
 
     resolution = load_catalog().model("bench").resolution
     start = time.perf_counter()

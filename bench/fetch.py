@@ -9,14 +9,14 @@ alternating when repeated:
 
 - `sdpipe`: the fetch-images stage as build-latents runs it: the URLs split into filtered
   shards of `--shard-size`, `concurrency.fetch_shards()` shard tasks at once in a thread pool
-  (as the flow's task runner), each `tasks.fetch_images.fetch_images_shard` (records, keys,
+  (as the flow's task runner), each `tasks.sources.fetch_images.fetch_images_shard` (records, keys,
   decode by the shared image rules, 512 px JPEG shards, sample tables, stats records).
 - `img2dataset`: img2dataset called as its README recommends for this machine:
   `processes_count` = the cores, `thread_count` 128, webdataset output, resized to the same
   512 px center crop, the same shard size; its other options at their defaults.
 
 Each side's time is its stage from a cold process: sdpipe's worker pools and img2dataset's
-spawned processes start inside it; importing the orchestrating module (tasks.fetch_images,
+spawned processes start inside it; importing the orchestrating module (tasks.sources.fetch_images,
 img2dataset) does not. `max_in_flight` is what the server saw at once during sdpipe's side.
 `--tree PATH` runs sdpipe's side from another checkout (e.g. the code before a change).
 Usage: python bench/fetch.py [--urls N] [--latency-ms MS] [--shard-size N] [--repeat R]
@@ -161,11 +161,11 @@ def run_sdpipe(work: Path, base: str, n: int, shard_size: int) -> dict:
 
     import pyarrow.parquet as pq
 
-    from tasks import fetch_images
+    from tasks.sources import fetch_images
 
     try:
-        from tasks.concurrency import fetch_shards
-    except ImportError:  # a checkout from before tasks.concurrency: the flow's 2 task threads
+        from tasks.runtime.concurrency import fetch_shards
+    except ImportError:  # a checkout from before tasks.runtime.concurrency: the flow's 2 threads
         fetch_shards = lambda: 2  # noqa: E731
 
     table = urls_table(base, n)

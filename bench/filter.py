@@ -1,10 +1,10 @@
 """Filter throughput: the recipe's phase-1 profile (laion-broad) + URL dedup on LAION-like rows.
 
 Generates a LAION-like metadata parquet once (cached), as the metadata stage writes it: rows
-without a URL dropped by `tasks.metadata.drop_missing_urls` (its cost is printed too), the file
-written by `tasks.metadata.write_table`. Then times the filter stage as a flow runs it
-(`tasks.filter.filter_metadata`: rules, waterfall, dedup, gallery, sharded output) and the same
-decisions + output in pandas, on the same file in the same run, best of each. Prints one JSON
+without a URL dropped by `tasks.sources.metadata.drop_missing_urls` (its cost is printed too), the
+file written by `tasks.sources.metadata.write_table`. Then times the filter stage as a flow runs it
+(`tasks.curation.filter.filter_metadata`: rules, waterfall, dedup, gallery, sharded output) and the
+same decisions + output in pandas, on the same file in the same run, best of each. Prints one JSON
 object.
 With `--memory-limit 2GB` the stage runs once under that DuckDB memory limit, spilling under
 its data root, over files of 10M rows each: `completed`, `rows_per_s`, peak memory and spill.
@@ -104,7 +104,7 @@ def laion_like(n: int, seed: int = 0, first_key: int = 0) -> pa.Table:
 def cached_files(rows: int, cache_dir: Path) -> tuple[list[Path], dict]:
     """The metadata shards of `rows` LAION-like upstream rows (one file per FILE_ROWS, each its
     own seed: memory holds one), and what ingest dropped."""
-    from tasks import metadata
+    from tasks.sources import metadata
 
     paths, record = [], {"missing_url": 0, "ingest_check_seconds": 0.0}
     for i, first in enumerate(range(0, rows, FILE_ROWS)):
@@ -140,8 +140,8 @@ def run_capped(args, profile, source, paths: list[Path]) -> dict:
     import resource
     import threading
 
-    from tasks import duck
-    from tasks import filter as filter_stage
+    from tasks.curation import duck
+    from tasks.curation import filter as filter_stage
 
     os.environ[duck.MEMORY_ENV] = args.memory_limit
     work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-filter-", dir=args.work_dir))
@@ -267,7 +267,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="a catalog profile, or loose")
     args = parser.parse_args()
     from catalog import FilterProfile, load_catalog
-    from tasks import filter as filter_stage
+    from tasks.curation import filter as filter_stage
 
     catalog = load_catalog()
     source = catalog.source("laion")

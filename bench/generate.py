@@ -1,4 +1,5 @@
-"""Batch generation throughput: images/s of `tasks.generate.generate_images` on the tiny model.
+"""Batch generation throughput: images/s of `tasks.generation.generate.generate_images` on the tiny
+model.
 
 The same batch (prompts x seeds, DDIM `--steps`, CFG 7.5, batch 8) on one device in this process
 (torch's default threads, then one thread) and on N CPU twins (one spawned worker each, the
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from tasks import generate as gen
+from tasks.generation import generate as gen
 from tests.tasks.tiny_weights import write_tiny_weights
 
 

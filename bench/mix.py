@@ -7,8 +7,8 @@ of the keys (`views/<dataset>.parquet`, shard + key, with its record). The .npy 
 at their full size (SD1.5 latents [4, 64, 64] fp16 by default): mix and opening a phase set
 never read them, and a rank's few batches read holes.
 
-Timed: `tasks.mix.build_phase_set` in a fresh process (view read, encoded keys read and joined
-a shard at a time, the seeded draw of N, manifest + row index + links written), then 2 rank
+Timed: `tasks.phases.mix.build_phase_set` in a fresh process (view read, encoded keys read and
+joined a shard at a time, the seeded draw of N, manifest + row index + links written), then 2 rank
 processes started at once, each importing the trainer's data module and opening
 `sdtrain.data.PhaseSet`. `seconds` = mix + start of the ranks until the later one has opened.
 Each rank then reads a few batches through `EpochSampler` and a `DataLoader`, as training does.
@@ -19,7 +19,7 @@ the heap, Python and torch; file pages of the mapped latents, tokens and row ind
 `rss_per_rank_gb` is the larger rank's peak. Inputs are warm in the page cache (just written).
 With `--buckets K`, the shards are encoded in K aspect buckets (the first K <= 33 of a 1024² plan,
 rows spread over them unevenly: keys file with bucket and bucket_row, a sparse latents file per
-shard and bucket): timed are `tasks.plan.plan_phase` (8 ranks) and the mix, in one process;
+shard and bucket): timed are `tasks.phases.plan.plan_phase` (8 ranks) and the mix, in one process;
 the ranks are not started (the bucketed sampler is not part of this bench).
 Prints one JSON object, last.
 Usage: python bench/mix.py [--rows N] [--shards S] [--resolution PX] [--batches B] [--dir D]
@@ -78,7 +78,7 @@ def bucket_columns(per_shard: int, buckets: int, seed: int):
     import numpy as np
     import pyarrow as pa
 
-    from tasks.buckets import BucketPlan
+    from catalog.buckets import BucketPlan
 
     names = BucketPlan(area=1024 * 1024, max_side=2048, max_aspect=4.0).names()[:buckets]
     weights = 1 / np.arange(1, len(names) + 1)
@@ -101,8 +101,9 @@ def generate(root: Path, rows: int, shards: int, resolution: int, buckets: int =
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from tasks import latent_keys, views
-    from tasks.shards import ShardStats, stats_path, write_json_atomic
+    from tasks.curation import views
+    from tasks.latents import latent_keys
+    from tasks.runtime.shards import ShardStats, stats_path, write_json_atomic
 
     per_shard = rows_per_shard(rows, shards)
     width = len(str(per_shard))
@@ -213,13 +214,13 @@ def gb(n: float) -> float:
 
 def stage_mix(args) -> dict:
     peak = AnonPeak()
-    from tasks import mix
+    from tasks.phases import mix
 
     root = Path(args.dir)
     cat = catalog(root, args.rows, args.resolution)
     planned = {}
     if args.buckets:
-        from tasks import plan
+        from tasks.phases import plan
 
         start = time.perf_counter()
         report = plan.plan_phase(root, cat, cat.phase(PHASE), world_size=8)

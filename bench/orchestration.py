@@ -55,7 +55,7 @@ def main() -> int:
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from flows import broker, loadtest, local, postgres
-    from tasks.net import free_port
+    from tasks.runtime.net import free_port
 
     work = Path(tempfile.mkdtemp(prefix="sdpipe-orch-"))
     root, port = work / "data", free_port()

@@ -1,7 +1,7 @@
 """Repack throughput: 1024 px JPEGs in a zip archive -> 512 px JPEG webdataset shard; prints JSON.
 
-`images_per_s`: the production path (`tasks.adapters.repack_shard`: one read of the archive,
-decode by the rules of `tasks.images` with libjpeg's DCT-domain reduction, resize down to a
+`images_per_s`: the production path (`tasks.sources.adapters.repack_shard`: one read of the archive,
+decode by the rules of `tasks.latents.images` with libjpeg's DCT-domain reduction, resize down to a
 short side of at most 512 px with the aspect kept, JPEG q95, in the crash-safe decode worker
 pool, one worker per core). `pil_images_per_s`: a plain PIL loop doing the same job on these
 square images (open, convert, resize short side with bicubic, center crop, JPEG q95 into a tar), one
@@ -33,8 +33,8 @@ from PIL import Image
 
 from bench.encode import cpu_name, photo_like
 from catalog import FilterProfile, Source
-from tasks import images
-from tasks.adapters.base import Adapter, Entry, index_source, repack_shard
+from tasks.latents import images
+from tasks.sources.adapters.base import Adapter, Entry, index_source, repack_shard
 
 SIZE = 512
 

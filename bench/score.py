@@ -1,4 +1,4 @@
-"""Score-stage throughput: images/s of `tasks.score.score_shard` over one shard of JPEGs.
+"""Score-stage throughput: images/s of `tasks.curation.score.score_shard` over one shard of JPEGs.
 
 --size tiny: the catalog's tiny twins; --size full: the real architectures (ViT-L/14 +
 ViT-B/32 + EfficientNet-B3, 256x256 watermark input) with random weights, so nothing is
@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 def write_shard(root: Path, shard: str, num_images: int, side: int, seed: int) -> None:
     """A fetched shard as fetch-images leaves it: NNNNN.tar of JPEGs + its sample table."""
-    from tasks import demo_source
+    from tasks.sources import demo_source
 
     rng = np.random.default_rng(seed)
     out = root / "bench" / "shards"
@@ -69,7 +69,7 @@ def main() -> None:
 
     from catalog import load_catalog
     from catalog.schema import ScoringModel
-    from tasks import score
+    from tasks.curation import score
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.size == "tiny":

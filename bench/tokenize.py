@@ -145,7 +145,7 @@ def measure_shard(captions: list[str], repeats: int) -> float:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.tokenize import tokenize_shard
+    from tasks.latents.tokenize import tokenize_shard
 
     rates = []
     with tempfile.TemporaryDirectory() as tmp:

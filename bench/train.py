@@ -114,13 +114,13 @@ def write_data(
 ) -> tuple[Path, list[bytes], list[str]]:
     """A phase set in the mix stage's layout, and the JPEGs + captions the naive loop reads.
 
-    `plan` (a `tasks.buckets.BucketPlan`): the bucketed layout, rows spread over the plan's
+    `plan` (a `catalog.buckets.BucketPlan`): the bucketed layout, rows spread over the plan's
     buckets nearest 1:1, 4:3, 3:4, 16:9 and 9:16."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from PIL import Image
 
-    from tasks.tokenize import tokens_table
+    from tasks.latents.tokenize import tokens_table
 
     phase = work / "phase"
     (phase / "latents").mkdir(parents=True)
@@ -473,7 +473,7 @@ def main() -> None:
         resolution = 64 if args.size == "tiny" else 512
         plan = None
         if args.buckets:
-            from tasks.buckets import BucketPlan
+            from catalog.buckets import BucketPlan
 
             # The tiny model's UNet halves its latents once: sides of 16 px (2 latent px).
             plan = (

@@ -431,7 +431,7 @@ def _check_references(c: Catalog) -> None:
 
 def _check_buckets(m: Model, where: str) -> None:
     """A model's bucket plan: known keys, numbers, and a plan that holds a bucket."""
-    from tasks.buckets import BucketPlan  # numpy only; not needed to read the rest
+    from catalog.buckets import BucketPlan
 
     allowed = ("area", "step", "min_side", "max_side", "max_aspect")
     for key, value in m.buckets.items():

@@ -30,7 +30,7 @@ class Source:
     resolution: int = 512  # shards: short side at most this, aspect kept
     model: str = "sd15"  # whose VAE encodes this source's latents
     profile: str  # the loosest profile the source is built at; stricter views query over it
-    # Layout of an archive/folder source (tasks.adapters): diffusiondb, journeydb, vggface2,
+    # Layout of an archive/folder source (tasks.sources.adapters): diffusiondb, journeydb, vggface2,
     # coco or local; "" means the source's own name.
     adapter: str = ""
     # URL sources: fetch URLs whose host is this machine or a private network (loopback,
@@ -50,7 +50,7 @@ class FilterProfile:
     Score thresholds apply to the metadata's scores or, where the metadata has none, to those
     the score stage computed from the pixels. Duplicates are judged among the rows that pass
     every other rule, level by level in the order url, sha256, phash, semantic; a near or
-    semantic duplicate is dropped only as a copy of a row that is kept (`tasks.survivors`).
+    semantic duplicate is dropped only as a copy of a row that is kept (`tasks.curation.survivors`).
     """
 
     name: str
@@ -183,7 +183,7 @@ class Model:
     vae_pretrained: str = ""
     text_config: dict = field(default_factory=dict)
     text_pretrained: str = ""
-    # Aspect-ratio buckets ({area, step, min_side, max_side, max_aspect}: tasks.buckets); None:
+    # Aspect-ratio buckets ({area, step, min_side, max_side, max_aspect}: catalog.buckets); None:
     # one bucket, the `resolution` square.
     buckets: dict | None = None
 

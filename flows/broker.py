@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tasks.net import free_port
+from tasks.runtime.net import free_port
 
 
 def server_env(host: str, port: int, db: int = 0) -> dict[str, str]:

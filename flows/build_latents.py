@@ -6,7 +6,7 @@ filter-pixels) wait for every shard before them; per-shard stages run for the sh
 inputs finished, so one bad shard costs only its own chain.
 
 The node sets the pace (`workers`: the node's worker budget, default the cores, see
-tasks/concurrency.py), each stage with its own bound: fetch `concurrency.fetch_shards`,
+tasks/runtime/concurrency.py), each stage with its own bound: fetch `concurrency.fetch_shards`,
 repack `concurrency.pooled_shards` (into the shared decode pool), tokenize `workers` shards
 (in processes above 2), score and encode one long-lived worker per device of the GPU pool
 (flows/devices.py). Per-shard stages overlap where no global step sits between them: a
@@ -30,24 +30,13 @@ from flows import pools
 from flows.devices import Devices, read_ahead, warm_file
 from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
-from tasks import (
-    adapters,
-    concurrency,
-    demo_source,
-    encode,
-    fetch_images,
-    filter,
-    hf_export,
-    images,
-    metadata,
-    score,
-    shards,
-    tokenize,
-    views,
-)
-from tasks.metadata import SourceError
-from tasks.score import ScoringWeightsError
-from tasks.shards import read_stats, summarize
+from tasks.curation import filter, score, views
+from tasks.curation.score import ScoringWeightsError
+from tasks.latents import encode, hf_export, images, tokenize
+from tasks.runtime import concurrency, shards
+from tasks.runtime.shards import read_stats, summarize
+from tasks.sources import adapters, demo_source, fetch_images, metadata
+from tasks.sources.metadata import SourceError
 
 STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
 # Each stage bounds its own task runs (StageRun): the flow's pool only has to have a thread

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from catalog import CatalogError, load_catalog
-from tasks.shards import data_root
+from tasks.runtime.shards import data_root
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -22,9 +22,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from sdtrain.checkpoint import CheckpointError
     from sdtrain.models import ModelLoadError
     from sdtrain.sampling import WeightsNotFound
-    from tasks.metadata import SourceError
-    from tasks.mix import MixError
-    from tasks.score import ScoringWeightsError
+    from tasks.curation.score import ScoringWeightsError
+    from tasks.phases.mix import MixError
+    from tasks.sources.metadata import SourceError
 
     return (
         CatalogError,
@@ -75,7 +75,7 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
-    from tasks import plan
+    from tasks.phases import plan
 
     catalog = load_catalog()
     phase = catalog.phase(args.phase)
@@ -130,7 +130,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run the generate flow here on a prompt file; bad input fails before any server starts."""
     from flows.generate import generate, preflight
-    from tasks.generate import GenerateError
+    from tasks.generation.generate import GenerateError
 
     root = data_root(args.data_root)
     try:
@@ -169,7 +169,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_finetune(args: argparse.Namespace) -> int:
     """A fine-tune here; with --sweep, one flow run of deployment finetune/NAME per value."""
     from flows import finetune as flow
-    from tasks.finetune import FinetuneError
+    from tasks.finetune.data import FinetuneError
 
     root = data_root(args.data_root)
     try:
@@ -229,7 +229,7 @@ def _add_finetune_parser(sub) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a phase here (the eval flow), or print two phases' evals side by side."""
-    from tasks import eval_report
+    from tasks.evaluation import eval_report
 
     root = data_root(args.data_root)
     if args.compare:
@@ -326,13 +326,13 @@ def cmd_refetch(args: argparse.Namespace) -> int:
     import re
     from collections import Counter
 
-    from tasks import fetch_images
+    from tasks.sources import fetch_images
 
     root = data_root(args.data_root)
     catalog = load_catalog()
     src = catalog.source(args.source)
     if src.kind not in ("url", "demo"):
-        from tasks.metadata import SourceError
+        from tasks.sources.metadata import SourceError
 
         raise SourceError(f"source {src.name!r} is of kind {src.kind!r}: only URL sources refetch")
     failed = fetch_images.failed_samples(root, src.name)

@@ -31,8 +31,9 @@ from prefect.states import Failed
 from catalog import Catalog, CatalogError, Phase, load_catalog
 from flows import evaluate, pools, train_pictures
 from flows.credentials import export_secrets
-from tasks import mix, plan, shards
-from tasks.train import TrainingFailed, launch_training, train_config_for_phase
+from tasks.phases import mix, plan
+from tasks.phases.train import TrainingFailed, launch_training, train_config_for_phase
+from tasks.runtime import shards
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+) loss=([0-9.eE+-]+).*? samples/s=([0-9.]+)")
 

@@ -17,8 +17,8 @@ from flows import local, progress
 from flows.build_latents import source_summary
 from flows.curriculum import bucket_line
 from flows.stages import DISPLAY
-from tasks import eval_report
-from tasks.shards import data_root
+from tasks.evaluation import eval_report
+from tasks.runtime.shards import data_root
 
 DEFAULT_PORT = 4200
 

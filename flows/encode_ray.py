@@ -22,8 +22,9 @@ from prefect_ray.context import remote_options
 
 from catalog import Model, load_catalog
 from flows.stages import publish_counts
-from tasks import encode, shards
-from tasks.shards import read_stats, summarize
+from tasks.latents import encode
+from tasks.runtime import shards
+from tasks.runtime.shards import read_stats, summarize
 
 # What a Ray worker needs from this process to find the data, the catalog and the weights.
 FORWARDED_ENV = (

@@ -1,7 +1,7 @@
-"""eval: tasks/evaluate.py as a flow, run by curriculum after each phase's training and on demand
-(`eval/phase-N`, `sdpipe eval --phase N`). It holds GPU-pool devices for all its work, so it never
-shares a GPU with score, encode or a training. Artifacts: `<phase>-eval-table` (category x metric,
-changes green/red), `<phase>-eval-grid` (one image per prompt per category, nearest training
+"""eval: tasks/evaluation/evaluate.py as a flow, run by curriculum after each phase's training and
+on demand (`eval/phase-N`, `sdpipe eval --phase N`). It holds GPU-pool devices for all its work, so
+it never shares a GPU with score, encode or a training. Artifacts: `<phase>-eval-table` (category x
+metric, changes green/red), `<phase>-eval-grid` (one image per prompt per category, nearest training
 images), `<phase>-eval-progress`.
 """
 
@@ -25,9 +25,10 @@ from catalog import CatalogError, load_catalog
 from flows import pools
 from flows.stages import PROGRESS_EVERY_S
 from sdtrain.sampling import WeightsNotFound
-from tasks import eval_report, evaluate, fid, shards
-from tasks import generate as gen
-from tasks.score import ScoringWeightsError
+from tasks.curation.score import ScoringWeightsError
+from tasks.evaluation import eval_report, evaluate, fid
+from tasks.generation import generate as gen
+from tasks.runtime import shards
 
 USER_ERRORS = (
     CatalogError,

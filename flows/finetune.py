@@ -29,10 +29,10 @@ from flows.curriculum import parse_step_line
 from flows.stages import artifact_key
 from sdtrain.models import ModelLoadError
 from sdtrain.sampling import WeightsNotFound
-from tasks import finetune as ft
-from tasks import shards
-from tasks.generate import GenerateError, GenerateFailed
-from tasks.train import TrainingFailed
+from tasks.finetune import data as ft
+from tasks.generation.generate import GenerateError, GenerateFailed
+from tasks.phases.train import TrainingFailed
+from tasks.runtime import shards
 
 DEFAULT_RUN = "default"
 
@@ -94,7 +94,7 @@ def prepare_task(root: Path, spec: Finetune, base: ft.Base) -> dict:
 
 @task(name="finetune-train", task_run_name="train-{spec.name}-{run_name}", cache_policy=NO_CACHE)
 def train_task(root: Path, spec: Finetune, base: ft.Base, run_name: str) -> dict:
-    from tasks.train import launch_training
+    from tasks.phases.train import launch_training
 
     logger = get_run_logger()
     config = ft.train_config(root, spec, base, run_name)

@@ -27,8 +27,8 @@ from prefect.states import Failed
 from flows import pools
 from flows.stages import PROGRESS_EVERY_S, artifact_key
 from sdtrain.sampling import WeightsNotFound, image_grid
-from tasks import generate as gen
-from tasks import shards
+from tasks.generation import generate as gen
+from tasks.runtime import shards
 
 SHEET_IMAGES = 8  # thumbnails on the summary artifact
 SHEET_SIDE = 128
@@ -104,7 +104,7 @@ def _on_ray(prompts, weights, out_dir, seeds, num_devices, kwargs):
     import ray
 
     from flows.encode_ray import FORWARDED_ENV
-    from tasks.generate_ray import generate_images_on_ray
+    from tasks.generation.generate_ray import generate_images_on_ray
 
     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
     ray.init(runtime_env={"env_vars": env})

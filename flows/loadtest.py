@@ -25,8 +25,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.stages import run_stage
-from tasks import shards as shard_io
-from tasks.shards import ShardStats
+from tasks.runtime import shards as shard_io
+from tasks.runtime.shards import ShardStats
 
 FLOW_NAME = "sdpipe-load"
 STAGE = "tokens"  # any per-shard stage name: only its display name and version are used

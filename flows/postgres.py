@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tasks.net import free_port
+from tasks.runtime.net import free_port
 
 USER = "sdpipe"
 

@@ -35,8 +35,8 @@ from prefect.futures import PrefectFuture
 
 from flows.credentials import export_secrets
 from flows.names import DISPLAY
-from tasks.shards import ShardStats, generation, is_done
-from tasks.waterfall import Waterfall, dashboard_markdown
+from tasks.curation.waterfall import Waterfall, dashboard_markdown
+from tasks.runtime.shards import ShardStats, generation, is_done
 
 # Bump a stage's version when its output changes meaning: cached results of older versions
 # are then ignored.
@@ -67,8 +67,8 @@ def not_retryable() -> tuple[type[Exception], ...]:
     delete, the setting to change). Prefect does not retry them, and the flow leads with them."""
     from catalog import CatalogError
     from sdtrain.models import ModelLoadError
-    from tasks.adapters.base import SourceLayoutError
-    from tasks.score import ScoringWeightsError
+    from tasks.curation.score import ScoringWeightsError
+    from tasks.sources.adapters.base import SourceLayoutError
 
     return (CatalogError, ModelLoadError, ScoringWeightsError, SourceLayoutError)
 
@@ -199,7 +199,7 @@ class StageRun:
     ) -> Stage:
         """A stage of this run: `limit` task runs at once (None: no bound of its own);
         `expected`: the units it will get at most, for its progress; `done(shard)`: whether a
-        unit is done on disk (default: its record and outputs, `tasks.shards.is_done`)."""
+        unit is done on disk (default: its record and outputs, `tasks.runtime.shards.is_done`)."""
         one = Stage(self, stage, limit=limit, inputs=inputs, expected=expected, done=done)
         self.stages.append(one)
         return one

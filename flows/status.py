@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from flows.names import DISPLAY
-from tasks.shards import TMP_MARK, read_stats, summarize
+from tasks.runtime.shards import TMP_MARK, read_stats, summarize
 
 # Stage folders in DAG order, and their dashboard names (the optional HF export is not a
 # stage of every build).

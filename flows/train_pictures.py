@@ -17,7 +17,7 @@ from pathlib import Path
 from PIL import Image
 
 from sdtrain.monitor import read_log
-from tasks import pictures
+from tasks.runtime import pictures
 
 GRID_LINE = re.compile(r"^sample grid step (\d+): ")
 VALIDATION_LINE = re.compile(r"^step \d+ val_loss=")

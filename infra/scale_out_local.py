@@ -44,7 +44,7 @@ def main() -> int:
 
     from flows import broker, loadtest, local, postgres
     from flows.pools import gpu_limit_name
-    from tasks.net import free_port
+    from tasks.runtime.net import free_port
 
     if reason := postgres.unavailable_reason():
         print(json.dumps({"skipped": reason}))

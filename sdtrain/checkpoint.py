@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sdtrain.config import TrainConfig
-from tasks.shards import (
+from tasks.runtime.shards import (
     TMP_MARK,
     atomic_path,
     clean_temporaries,

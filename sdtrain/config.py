@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from catalog import Phase
-from tasks.shards import atomic_path
+from tasks.runtime.shards import atomic_path
 
 DEFAULT_PROMPTS = (
     "a photograph of an astronaut riding a horse",
@@ -32,7 +32,7 @@ LRSchedule = Literal["cosine", "constant"]
 class FinetuneSettings:
     """What makes a run a fine-tune (sdtrain/finetune.py); a phase's run has none.
 
-    `phase_dir` of such a run is the fine-tune's data folder (tasks/finetune.py writes it).
+    `phase_dir` of such a run is the fine-tune's data folder (tasks/finetune/data.py writes it).
     """
 
     mode: Literal["dreambooth", "inpaint"]

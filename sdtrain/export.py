@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from sdtrain.sampling import Networks, ddim_scheduler
-from tasks.shards import TMP_MARK, atomic_path
+from tasks.runtime.shards import TMP_MARK, atomic_path
 
 RESNET_TO_LDM = {
     "norm1": "in_layers.0",

@@ -33,8 +33,8 @@ TEXT_ENCODER_FILE = "text_encoder.safetensors"
 
 
 class FinetuneSet(Dataset):
-    """A fine-tune's data folder (tasks/finetune.py writes it): manifest.parquet (kind, caption,
-    input_ids per row), latents.npy, and pixels.npy for inpainting.
+    """A fine-tune's data folder (tasks/finetune/data.py writes it): manifest.parquet (kind,
+    caption, input_ids per row), latents.npy, and pixels.npy for inpainting.
 
     `pairs`: DreamBooth with prior preservation: item i is instance i mod n paired with class
     image i mod m, over max(n, m) items (diffusers' DreamBooth dataset). Otherwise the instance

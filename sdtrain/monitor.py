@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from sdtrain.config import TrainConfig
-from tasks.shards import atomic_path
+from tasks.runtime.shards import atomic_path
 
 
 class Monitor:

@@ -66,7 +66,7 @@ from sdtrain.runtime import (
 )
 from sdtrain.sampling import encode_text
 from sdtrain.schedules import build_lr_schedule, total_optimizer_steps
-from tasks.shards import clean_temporaries, write_json_atomic
+from tasks.runtime.shards import clean_temporaries, write_json_atomic
 
 
 class TrainingInterrupted(Exception):

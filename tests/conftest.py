@@ -52,7 +52,7 @@ def small_catalog(tmp_path_factory) -> Path:
 def prefect_stack(tmp_path_factory, small_catalog):
     """(data root, port) of a running Prefect server + worker with all deployments."""
     from flows import local
-    from tasks.net import free_port
+    from tasks.runtime.net import free_port
 
     root = tmp_path_factory.mktemp("prefect-data")
     port = free_port()

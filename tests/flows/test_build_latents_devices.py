@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tasks import fetch_images
-from tasks.shards import read_stats, stats_path
+from tasks.runtime.shards import read_stats, stats_path
+from tasks.sources import fetch_images
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import yaml
 
-from tasks import encode, latent_keys
-from tasks.shards import read_stats
+from tasks.latents import encode, latent_keys
+from tasks.runtime.shards import read_stats
 from tests.conftest import write_small_catalog
 
 pytestmark = pytest.mark.slow

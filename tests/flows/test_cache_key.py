@@ -6,9 +6,9 @@ import dataclasses
 
 from catalog import load_catalog
 from flows.stages import _cache_key
-from tasks import filter as filter_stage
-from tasks import views
-from tasks.shards import bump_generation
+from tasks.curation import filter as filter_stage
+from tasks.curation import views
+from tasks.runtime.shards import bump_generation
 
 
 def test_a_views_profile_and_the_sources_generation_are_in_the_key(tmp_path):
@@ -33,7 +33,7 @@ def test_a_views_profile_and_the_sources_generation_are_in_the_key(tmp_path):
 def test_a_build_profiles_settings_are_in_the_filter_tasks_key(tmp_path):
     # build-latents passes the build profile's fingerprint to the filter and filter-pixels
     # tasks: an edit is a cache miss, so the stage runs and refuses the stale unit (see
-    # tasks.filter.check_profile) instead of a cached "done".
+    # tasks.curation.filter.check_profile) instead of a cached "done".
     catalog = load_catalog()
     broad = catalog.profile("laion-broad")
     assert filter_stage.profile_fingerprint(broad) == filter_stage.profile_fingerprint(

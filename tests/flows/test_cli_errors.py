@@ -97,8 +97,8 @@ def test_an_edited_build_profile_fails_before_any_work(tmp_path):
     from dataclasses import asdict
 
     from catalog import load_catalog
-    from tasks import filter as filter_stage
-    from tasks.shards import ShardStats, stats_path, write_json_atomic
+    from tasks.curation import filter as filter_stage
+    from tasks.runtime.shards import ShardStats, stats_path, write_json_atomic
 
     profile = load_catalog().profile("demo")
     record = ShardStats(stage="filtered", source="demo", shard="all")
@@ -114,7 +114,7 @@ def test_a_failure_no_retry_can_fix_leads_the_flows_message():
 
     from flows.build_latents import _failed
     from flows.stages import _retry_unless_permanent, failure_message
-    from tasks.score import ScoringWeightsError
+    from tasks.curation.score import ScoringWeightsError
 
     missing = ScoringWeightsError("scoring model 'x': weights file(s) not found: a (get b)")
     line = failure_message(missing)

@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from catalog import load_catalog
-from tasks import encode, latent_keys
-from tasks.shards import ShardStats
+from tasks.latents import encode, latent_keys
+from tasks.runtime.shards import ShardStats
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from flows import cli
 from flows.local import PROJECT_ROOT
 from sdtrain.config import TrainConfig
-from tasks import evaluate
+from tasks.evaluation import evaluate
 from tests.image_sources import markdown_sources, not_embedded
 from tests.tasks import eval_data
 from tests.tasks.conftest import scene_jpeg

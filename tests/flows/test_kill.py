@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from catalog import load_catalog
-from tasks import demo_source, fetch_images, filter, latent_keys, metadata, tokenize
+from tasks.curation import filter
+from tasks.latents import latent_keys, tokenize
+from tasks.sources import demo_source, fetch_images, metadata
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +25,7 @@ ENCODE_SCRIPT = """
 import sys, dataclasses
 from pathlib import Path
 from catalog import load_catalog
-from tasks.encode import encode_shard
+from tasks.latents.encode import encode_shard
 root = Path(sys.argv[1])
 tiny = load_catalog().model("tiny")
 vae = dict(tiny.vae_config, block_out_channels=[64, 128, 128, 128], layers_per_block=2,

@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from flows import local
-from tasks import images, latent_keys
-from tasks.shards import read_stats
+from tasks.latents import images, latent_keys
+from tasks.runtime.shards import read_stats
 from tests.tasks import bad_images as bad
 from tests.tasks.conftest import scene_jpeg
 from tests.tasks.fixtures_archives import http_mirror

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flows import progress
-from tasks.shards import run_shard
+from tasks.runtime.shards import run_shard
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -102,7 +102,7 @@ import logging, sys, time
 from pathlib import Path
 import prefect.main  # sets up Prefect's logging: the root logger prints on its console
 from flows import progress
-from tasks.shards import run_shard
+from tasks.runtime.shards import run_shard
 
 root = Path(sys.argv[1])
 (root / "src" / "filtered").mkdir(parents=True)

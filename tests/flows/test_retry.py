@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from flows import local
-from tasks import latent_keys
-from tasks.shards import ShardStats
+from tasks.latents import latent_keys
+from tasks.runtime.shards import ShardStats
 
 pytestmark = pytest.mark.slow
 

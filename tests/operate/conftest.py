@@ -101,7 +101,7 @@ def redis_broker():
 @pytest.fixture(scope="session")
 def shared_stack(pg, redis_broker, small_catalog, tmp_path_factory) -> Stack:
     from flows import loadtest
-    from tasks.net import free_port
+    from tasks.runtime.net import free_port
 
     root = tmp_path_factory.mktemp("shared-data")
     port = free_port()

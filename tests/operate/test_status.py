@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flows.cli import main
-from tasks.shards import failure_path, run_shard, stats_path
+from tasks.runtime.shards import failure_path, run_shard, stats_path
 
 
 def _ok(stats):

@@ -185,7 +185,7 @@ def make_config(phase_dir):
 @pytest.fixture(scope="session")
 def two_rank_run(make_config, tmp_path_factory):
     """(config, summary, console lines) of the 2-rank torchrun run."""
-    from tasks.train import launch_training
+    from tasks.phases.train import launch_training
 
     config = make_config(
         tmp_path_factory.mktemp("run-2-ranks"),

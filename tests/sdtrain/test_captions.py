@@ -17,8 +17,8 @@ import pytest
 from sdtrain import captions as cap
 from sdtrain import layout
 from sdtrain.captions import CaptionSettings, TrainTimeCaptions, write_captions
-from tasks import mix
-from tasks.tokenize import tokens_table
+from tasks.latents.tokenize import tokens_table
+from tasks.phases import mix
 from tests.tasks.test_mix import (
     SIZES,
     MixEntry,

@@ -37,7 +37,7 @@ def unet(model):
 
 
 def write_data(folder, captions_by_kind: dict[str, list[str]]) -> None:
-    """A data folder as tasks/finetune.py writes it, with random latents."""
+    """A data folder as tasks/finetune/data.py writes it, with random latents."""
     folder.mkdir(parents=True)
     kinds = [k for k, captions in captions_by_kind.items() for _ in captions]
     captions = [c for cs in captions_by_kind.values() for c in cs]

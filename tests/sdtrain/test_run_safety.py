@@ -27,7 +27,7 @@ from sdtrain.checkpoint import (
 )
 from sdtrain.monitor import read_log
 from sdtrain.train import TrainingDiverged, TrainingInterrupted, train
-from tasks.shards import replace_dir
+from tasks.runtime.shards import replace_dir
 
 from .conftest import sigterm_at_draw
 

@@ -27,9 +27,9 @@ from sdtrain.models import tokenize
 from sdtrain.monitor import read_log
 from sdtrain.schedules import ema_decay
 from sdtrain.train import train
-from tasks.net import free_port
-from tasks.shards import TMP_MARK
-from tasks.train import TrainingFailed, launch_training
+from tasks.phases.train import TrainingFailed, launch_training
+from tasks.runtime.net import free_port
+from tasks.runtime.shards import TMP_MARK
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 NUM_ROWS_PER_SHARD = 16

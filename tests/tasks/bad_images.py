@@ -2,8 +2,8 @@
 
 Shared by the adapter tests (VGGFace2, COCO, DiffusionDB, JourneyDB): each maker returns what
 an upstream copy could hold, small and generated, never downloaded. What the stages must do
-with each (the reason it is counted under, or how it is decoded) is in `tasks.images` and
-`tasks.adapters.base`; the comment on each maker says what it is expected to become.
+with each (the reason it is counted under, or how it is decoded) is in `tasks.latents.images` and
+`tasks.sources.adapters.base`; the comment on each maker says what it is expected to become.
 """
 
 from __future__ import annotations

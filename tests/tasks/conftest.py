@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import demo_source
+from tasks.sources import demo_source
 
 
 def scene_jpeg(seed: int, side: int = 256, quality: int = 90) -> bytes:

@@ -22,9 +22,9 @@ from sdtrain.checkpoint import write_checkpoint
 from sdtrain.config import TrainConfig
 from sdtrain.data import split_rows
 from sdtrain.models import build_unet, tokenize
-from tasks import generate as gen
-from tasks import score
-from tasks.evaluate import prompts_of
+from tasks.curation import score
+from tasks.evaluation.evaluate import prompts_of
+from tasks.generation import generate as gen
 from tests.tasks.conftest import scene_jpeg, write_fetched
 from tests.tasks.tiny_weights import RUN_NEGATIVE, _perturbed
 

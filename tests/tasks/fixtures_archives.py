@@ -22,12 +22,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from catalog import FilterProfile, Source
-from tasks import buckets, demo_source
-from tasks.adapters import adapter_for
-from tasks.adapters.base import index_source, repack_shard, shard_names
-from tasks.net import free_port
-from tasks.shards import ShardStats
+from catalog import FilterProfile, Source, buckets
+from tasks.runtime.net import free_port
+from tasks.runtime.shards import ShardStats
+from tasks.sources import demo_source
+from tasks.sources.adapters import adapter_for
+from tasks.sources.adapters.base import index_source, repack_shard, shard_names
 
 
 @contextlib.contextmanager
@@ -91,7 +91,7 @@ def run_chain(root: Path, src: Source, profile: FilterProfile = PROFILE) -> Chai
             ),
             selected,
         )
-        from tasks.tokenize import tokenize_shard  # imports torch: only once there are shards
+        from tasks.latents.tokenize import tokenize_shard
 
         tokens.append(tokenize_shard(root, src.name, shard))
     for s in [index, *repack, *tokens]:

@@ -20,11 +20,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from catalog import FilterProfile, Source
-from tasks.adapters import SourceLayoutError, adapter_for, index_source, repack_shard, shard_names
-from tasks.adapters.base import fetch_archive, release_archive
-from tasks.adapters.coco import square_crop
-from tasks.shards import summarize
-from tasks.tokenize import clean_caption, tokenize_shard
+from tasks.latents.tokenize import clean_caption, tokenize_shard
+from tasks.runtime.shards import summarize
+from tasks.sources.adapters import (
+    SourceLayoutError,
+    adapter_for,
+    index_source,
+    repack_shard,
+    shard_names,
+)
+from tasks.sources.adapters.base import fetch_archive, release_archive
+from tasks.sources.adapters.coco import square_crop
 from tests.tasks import bad_images as bad
 
 PROFILE = FilterProfile(name="x", min_side=64)

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.adapters import SourceLayoutError, adapter_for
-from tasks.adapters.base import index_source
+from tasks.sources.adapters import SourceLayoutError, adapter_for
+from tasks.sources.adapters.base import index_source
 from tests.tasks import bad_images as bad
 from tests.tasks.fixtures_archives import (
     PROFILE,

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.adapters import SourceLayoutError, adapter_for
-from tasks.adapters.journeydb import ANNOTATION, IMAGES
+from tasks.sources.adapters import SourceLayoutError, adapter_for
+from tasks.sources.adapters.journeydb import ANNOTATION, IMAGES
 from tests.tasks import bad_images as bad
 from tests.tasks.fixtures_archives import (
     PROFILE,

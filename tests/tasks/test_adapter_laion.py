@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from catalog import FilterProfile, Source
-from tasks import demo_source, fetch_images, metadata, tokenize
-from tasks import filter as filter_stage
-from tasks.shards import generation, stats_path
+from tasks.curation import filter as filter_stage
+from tasks.latents import tokenize
+from tasks.runtime.shards import generation, stats_path
+from tasks.sources import demo_source, fetch_images, metadata
 from tests.tasks.fixtures_archives import members, read_dir
 
 PROFILE = FilterProfile(name="loose", min_side=128, dedup=("url",))

@@ -13,9 +13,9 @@ from PIL import Image
 
 from catalog import FilterProfile, Source
 from sdtrain.models import tokenize
-from tasks import tokenize as tokens
-from tasks.adapters import SourceLayoutError, adapter_for, index_source, repack_shard
-from tasks.metadata import SourceError, check_source
+from tasks.latents import tokenize as tokens
+from tasks.sources.adapters import SourceLayoutError, adapter_for, index_source, repack_shard
+from tasks.sources.metadata import SourceError, check_source
 from tests.tasks import bad_images as bad
 from tests.tasks.fixtures_archives import members, read_dir
 

@@ -11,9 +11,9 @@ import json
 import pytest
 
 from catalog import FilterProfile, Source
-from tasks.adapters import adapter_for, index_source
-from tasks.adapters.base import Entry, Refused
-from tasks.adapters.local import score_tag
+from tasks.sources.adapters import adapter_for, index_source
+from tasks.sources.adapters.base import Entry, Refused
+from tasks.sources.adapters.local import score_tag
 from tests.tasks import bad_images as bad
 from tests.tasks.fixtures_archives import read_dir
 

@@ -12,13 +12,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from catalog import FilterProfile, Source
-from tasks import buckets
-from tasks.adapters import adapter_for
-from tasks.adapters.base import SourceLayoutError, index_source, repack_shard, shard_names
-from tasks.adapters.vggface2 import template_index
-from tasks.shards import summarize
-from tasks.tokenize import clean_caption, tokenize_shard
+from catalog import FilterProfile, Source, buckets
+from tasks.latents.tokenize import clean_caption, tokenize_shard
+from tasks.runtime.shards import summarize
+from tasks.sources.adapters import adapter_for
+from tasks.sources.adapters.base import SourceLayoutError, index_source, repack_shard, shard_names
+from tasks.sources.adapters.vggface2 import template_index
 from tests.tasks import bad_images as bad
 
 TEMPLATES = ["a photo of a person's face", "a headshot of a person", "a close portrait"]

@@ -8,8 +8,8 @@ from dataclasses import asdict
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.adapters import base
-from tasks.shards import ShardStats, stats_path, write_json_atomic
+from tasks.runtime.shards import ShardStats, stats_path, write_json_atomic
+from tasks.sources.adapters import base
 
 
 def index(root, shards: dict[str, list[str]]) -> None:

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from tasks import buckets
-from tasks.buckets import BucketPlan
+from catalog import buckets
+from catalog.buckets import BucketPlan
 
 
 def reference_resolutions(max_area, min_size, max_size, divisible):

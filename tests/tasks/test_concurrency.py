@@ -7,7 +7,7 @@ import os
 import pytest
 
 from flows.build_latents import stage_limits
-from tasks import concurrency
+from tasks.runtime import concurrency
 
 
 def test_the_budget_is_the_parameter_else_the_setting_else_the_cores(monkeypatch):

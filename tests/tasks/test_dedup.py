@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 
 from catalog import FilterProfile
-from tasks import dedup, phash_dedup, score
-from tasks import filter as filter_stage
-from tasks.waterfall import Waterfall
+from tasks.curation import dedup, phash_dedup, score
+from tasks.curation import filter as filter_stage
+from tasks.curation.waterfall import Waterfall
 
 PROFILE = FilterProfile(name="dedup", dedup=("sha256", "phash", "semantic"))
 

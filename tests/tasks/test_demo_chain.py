@@ -21,11 +21,13 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from catalog import load_catalog
+from catalog import buckets, load_catalog
 from catalog.loader import PACKAGED_DIR
-from tasks import buckets, demo_source, encode, fetch_images, latent_keys, metadata, score, tokenize
-from tasks import filter as filter_stage
-from tasks.shards import TMP_MARK, read_stats, summarize
+from tasks.curation import filter as filter_stage
+from tasks.curation import score
+from tasks.latents import encode, latent_keys, tokenize
+from tasks.runtime.shards import TMP_MARK, read_stats, summarize
+from tasks.sources import demo_source, fetch_images, metadata
 
 STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
 

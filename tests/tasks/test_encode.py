@@ -29,9 +29,10 @@ from PIL import Image, ImageOps
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
 from sdtrain.models import build_vae
-from tasks import encode, images, latent_keys, metadata
-from tasks.metadata import SourceError
-from tasks.shards import TMP_MARK, ShardStats, failure_path
+from tasks.latents import encode, images, latent_keys
+from tasks.runtime.shards import TMP_MARK, ShardStats, failure_path
+from tasks.sources import metadata
+from tasks.sources.metadata import SourceError
 
 SOURCE = "src"
 SHARD = "00000"
@@ -240,7 +241,7 @@ def test_an_image_that_breaks_the_decoder_drops_only_itself(samples, tiny, monke
 CRASHING_WORKER = (
     sys.executable,
     "-c",
-    "import os, tasks.images as m\n"
+    "import os, tasks.latents.images as m\n"
     "def decode_rows(items, size):\n"
     "    if any(data == b'crash' for _, data in items):\n"
     "        os._exit(139)\n"

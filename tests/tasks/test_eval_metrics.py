@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from catalog import load_catalog
-from tasks import eval_metrics, fid
-from tasks.score import Scorer
+from tasks.curation.score import Scorer
+from tasks.evaluation import eval_metrics, fid
 from tests.tasks.conftest import scene_jpeg
 
 CPU = torch.device("cpu")

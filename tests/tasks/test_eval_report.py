@@ -15,7 +15,7 @@ from PIL import Image
 
 from catalog import load_catalog
 from flows import cli
-from tasks import eval_report, evaluate
+from tasks.evaluation import eval_report, evaluate
 from tests.image_sources import markdown_sources, not_embedded
 
 

@@ -24,8 +24,8 @@ from sdtrain.data import PhaseSet, split_rows
 from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
 from sdtrain.sampling import encode_text, load_networks
 from sdtrain.validation import BANDS, row_losses
-from tasks import eval_metrics, eval_report, evaluate, fid
-from tasks.score import load_scorer
+from tasks.curation.score import load_scorer
+from tasks.evaluation import eval_metrics, eval_report, evaluate, fid
 from tests.tasks import eval_data
 
 CPU = torch.device("cpu")
@@ -166,7 +166,7 @@ KILLED_EVAL = """
 import sys, torch
 from pathlib import Path
 torch.set_num_threads(1)
-from tasks.evaluate import evaluate
+from tasks.evaluation.evaluate import evaluate
 evaluate(Path(sys.argv[1]), "demo", devices=["cpu"])
 """
 

@@ -15,7 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import concurrency, fetch_images, images
+from tasks.latents import images
+from tasks.runtime import concurrency
+from tasks.sources import fetch_images
 from tests.tasks import bad_images as bad
 
 SIZE = 32

@@ -8,7 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks import fetch_images, images
+from tasks.latents import images
+from tasks.sources import fetch_images
 from tests.tasks import bad_images as bad
 from tests.tasks.fixtures_archives import http_mirror, members
 

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from catalog import FilterProfile
-from tasks import filter as filter_stage
+from tasks.curation import filter as filter_stage
 from tests.tasks.metadata_rows import RECIPE, SCHEMA, SOURCE, row, write_metadata
 
 PROFILE = RECIPE

@@ -11,8 +11,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import duck
-from tasks import filter as filter_stage
+from tasks.curation import duck
+from tasks.curation import filter as filter_stage
 from tests.tasks.metadata_rows import RECIPE, SCHEMA, SOURCE
 
 

@@ -14,7 +14,7 @@ import torch
 from catalog import CatalogError, load_catalog
 from flows import cli
 from flows.finetune import preflight
-from tasks import finetune as ft
+from tasks.finetune import data as ft
 from tests.tasks import bad_images as bad
 from tests.tasks.tiny_weights import write_tiny_weights
 
@@ -73,8 +73,8 @@ def test_instance_images_pass_the_encode_rules_each_drop_counted_and_named(root)
     # CMYK (0, 255, 255, 0) is red, alpha 128 over white is a light red: decoded by the rules.
     assert np.abs(pixels[1, 32, 32].astype(int) - (255, 0, 0)).max() <= 8
     assert pixels[0, 32, 32, 1] > 100 and pixels[0, 32, 32, 0] > 200
-    # The encode stage's VAE path: the same latents as tasks.encode makes of those pixels.
-    from tasks.encode import encode_images, vae_for
+    # The encode stage's VAE path: the same latents as tasks.latents.encode makes of those pixels.
+    from tasks.latents.encode import encode_images, vae_for
 
     model = load_catalog().model("tiny")
     expected = encode_images(vae_for(model, CPU[0]), pixels, model.scaling_factor)

@@ -32,17 +32,17 @@ def reference_tokenizer():
 
 def vae():
     import torch
-    from tasks.encode import vae_for
+    from tasks.latents.encode import vae_for
     return id(vae_for(tiny, torch.device("cpu")))
 
 def encoder():
     import torch
-    from tasks.encode import encoder_for
+    from tasks.latents.encode import encoder_for
     return id(encoder_for(tiny, torch.device("cpu")))
 
 def scorer():
     import torch
-    from tasks.score import load_scorer
+    from tasks.curation.score import load_scorer
     return id(load_scorer(scoring, torch.device("cpu")))
 
 def text_encoder():

@@ -13,8 +13,8 @@ from PIL import Image
 
 from flows import cli
 from sdtrain.sampling import generate, load_networks
-from tasks import generate as gen
-from tasks.generate import GenerateError, Prompt, Settings, generate_images
+from tasks.generation import generate as gen
+from tasks.generation.generate import GenerateError, Prompt, Settings, generate_images
 from tests.tasks.tiny_weights import RUN_NEGATIVE, write_tiny_weights
 
 CPU = torch.device("cpu")

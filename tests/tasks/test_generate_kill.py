@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tasks import generate as gen
+from tasks.generation import generate as gen
 from tests.tasks.tiny_weights import write_tiny_weights
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ SETTINGS = gen.Settings(num_steps=6)
 BATCH = 2  # 20 images in 10 chunks, 5 per device
 GENERATE = f"""
 import sys
-from tasks.generate import Settings, generate_images
+from tasks.generation.generate import Settings, generate_images
 generate_images(sys.argv[1], {PROMPTS!r}, {SEEDS!r}, sys.argv[2], devices=["cpu:0", "cpu:1"],
                 settings=Settings(num_steps={SETTINGS.num_steps}), batch_size={BATCH})
 """

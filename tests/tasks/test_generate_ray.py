@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tasks import generate as gen
+from tasks.generation import generate as gen
 from tests.tasks.tiny_weights import write_tiny_weights
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ SETTINGS = gen.Settings(num_steps=4)
 def test_ray_data_finishes_a_batch_begun_locally(tmp_path):
     import ray
 
-    from tasks.generate_ray import generate_images_on_ray
+    from tasks.generation.generate_ray import generate_images_on_ray
 
     run_dir = write_tiny_weights(tmp_path / "run")
     out, clean = tmp_path / "out", tmp_path / "clean"

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import hf_export
-from tasks.hf_export import export_hf_dataset, in_validation
-from tasks.shards import ShardStats
-from tasks.tokenize import tokenize_shard
+from tasks.latents import hf_export
+from tasks.latents.hf_export import export_hf_dataset, in_validation
+from tasks.latents.tokenize import tokenize_shard
+from tasks.runtime.shards import ShardStats
 
 SHARD_ROWS = {"00000": 120, "00001": 90, "00002": 0}
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks import buckets, images
+from catalog import buckets
+from tasks.latents import images
 from tests.tasks import bad_images as bad
 
 

@@ -18,9 +18,10 @@ from catalog import Catalog, Dataset, FilterProfile, MixEntry, Model, Phase, Sou
 from flows.cli import main
 from sdtrain import layout
 from sdtrain.data import PhaseSet
-from tasks import latent_keys, mix, plan
-from tasks import views as views_stage
-from tasks.shards import ShardStats, read_stats, stats_path, write_json_atomic
+from tasks.curation import views as views_stage
+from tasks.latents import latent_keys
+from tasks.phases import mix, plan
+from tasks.runtime.shards import ShardStats, read_stats, stats_path, write_json_atomic
 
 SIZES = {"a": 50, "b": 200, "c": 200}
 

@@ -10,7 +10,7 @@ import numpy as np
 from markdown_it import MarkdownIt
 from PIL import Image
 
-from tasks import pictures
+from tasks.runtime import pictures
 from tests.image_sources import markdown_sources
 
 

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from catalog import FilterProfile
-from tasks import filter as filter_stage
+from tasks.curation import filter as filter_stage
 
 GOOD = {"width": 800.0, "height": 600.0, "similarity": 0.3, "punsafe": 0.1}
 GOOD |= {"pwatermark": 0.1, "aesthetic": 7.0}

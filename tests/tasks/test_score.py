@@ -20,7 +20,8 @@ from PIL import Image
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
 from catalog.schema import ScoringModel
-from tasks import demo_source, score
+from tasks.curation import score
+from tasks.sources import demo_source
 
 
 @pytest.fixture(scope="module")

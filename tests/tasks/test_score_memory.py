@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from tasks import demo_source
+from tasks.sources import demo_source
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 NUM_IMAGES = 48  # the small shard; the large one has 4x. Either fills the pipeline's slots.

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks import dedup, semantic_dedup
-from tasks.semantic_dedup import Parts, SemanticIndex
+from tasks.curation import dedup, semantic_dedup
+from tasks.curation.semantic_dedup import Parts, SemanticIndex
 from tests.tasks.test_dedup import assert_one_survivor_per_group, greedy_over_all_pairs
 
 THRESHOLD = 0.95

@@ -18,8 +18,8 @@ from transformers import CLIPTokenizer
 
 from sdtrain import models
 from sdtrain.models import encode_captions, tokenize
-from tasks.shards import ShardStats
-from tasks.tokenize import clean_caption, tokenize_shard, tokens_table
+from tasks.latents.tokenize import clean_caption, tokenize_shard, tokens_table
+from tasks.runtime.shards import ShardStats
 
 BOS, EOS, LENGTH = 49406, 49407, 77
 

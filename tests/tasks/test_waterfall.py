@@ -16,9 +16,10 @@ import numpy as np
 from PIL import Image
 
 from catalog import FilterProfile
-from tasks import filter as filter_stage
-from tasks import pictures, waterfall
-from tasks.waterfall import MAX_SAMPLES, Waterfall
+from tasks.curation import filter as filter_stage
+from tasks.curation import waterfall
+from tasks.curation.waterfall import MAX_SAMPLES, Waterfall
+from tasks.runtime import pictures
 from tests.image_sources import html_sources, markdown_sources, not_embedded
 from tests.tasks.metadata_rows import RECIPE, row, write_metadata
 

@@ -1,0 +1,1 @@
+"""Curation: filter (metadata, pixels), score, dedup (near, semantic), waterfall, views."""

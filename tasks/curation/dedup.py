@@ -1,0 +1,191 @@
+"""dedup: a profile's duplicate levels, judged among the rows that pass every rule.
+
+Near (pHash) and semantic levels keep, in each group of duplicates, the best-ranked row
+(`RANK_ORDER`), and drop a row only as a copy of a row that survives (`tasks.curation.survivors`).
+Neither compares all pairs: pHash pairs come from sorted permuted prefixes
+(`tasks.curation.phash_dedup`), embedding pairs from within k-means clusters
+(`tasks.curation.semantic_dedup`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from catalog import FilterProfile
+from tasks.curation.phash_dedup import NearHashes
+from tasks.curation.semantic_dedup import Parts, SemanticIndex
+
+# Survivor order of near and semantic duplicates: largest image, then highest aesthetic
+# (NaN: unknown, last), then smallest key.
+RANK_ORDER = (
+    "CASE WHEN width > 0 AND height > 0 THEN width::DOUBLE * height END DESC NULLS LAST",
+    "CASE WHEN isnan(aesthetic) THEN NULL ELSE aesthetic END DESC NULLS LAST",
+    "key",
+    "filename",
+    "file_row_number",
+)
+
+
+def phash_losers(hashes: np.ndarray, rank: np.ndarray, max_distance: int) -> np.ndarray:
+    """Rows dropped as near copies (within `max_distance` bits) of a surviving better-ranked
+    row; bool [N] in input order. `hashes` uint64 [N], `rank` int64 [N] (unique; lower is
+    better)."""
+    return NearHashes(hashes, max_distance).losers(rank)
+
+
+def semantic_losers(
+    embeddings: np.ndarray,
+    rank: np.ndarray,
+    threshold: float,
+    *,
+    device: str | torch.device | None = None,
+    num_clusters: int | None = None,
+) -> np.ndarray:
+    """Rows dropped as copies (embedding cosine >= `threshold`) of a surviving better-ranked
+    row; bool [N]. Small inputs are compared all pairs; larger ones within k-means clusters."""
+    parts = Parts.from_array(np.asarray(embeddings))
+    index = SemanticIndex(parts, rank, threshold, device=device, num_clusters=num_clusters)
+    return index.losers()
+
+
+def _scalar(con: duckdb.DuckDBPyConnection, sql: str):
+    return con.sql(sql).fetchall()[0][0]
+
+
+def mark(
+    con: duckdb.DuckDBPyConnection,
+    profile: FilterProfile,
+    level: str,
+    scores_dir: Path | None,
+    *,
+    device: str | torch.device | None = None,
+) -> tuple[int, int]:
+    """Mark one level's duplicates among the still-kept rows of table `passing` (column `reason`
+    NULL = kept); returns (alone: among all of them, removed: among the still-kept ones).
+    `device`: where semantic similarities are computed (a GPU the caller holds a slot of)."""
+    reason = f"duplicate_{level}"
+    if level in ("key", "url", "sha256"):
+        order = "filename, file_row_number" if level == "key" else "key, filename, file_row_number"
+        # Only the values held by more than one row matter: group once, then order the few
+        # rows that hold them (a window over every row cost ~3x as much).
+        con.sql(
+            f"CREATE OR REPLACE TEMP TABLE repeated AS SELECT {level} AS value, "
+            f"count(*) - 1 AS extra FROM passing WHERE {level} IS NOT NULL GROUP BY {level} "
+            "HAVING count(*) > 1"
+        )
+        alone = int(_scalar(con, "SELECT coalesce(sum(extra), 0) FROM repeated"))
+        if alone:
+            con.sql(f"""
+                UPDATE passing SET reason = '{reason}' WHERE rowid IN (
+                    SELECT rowid FROM passing WHERE reason IS NULL
+                    AND {level} IN (SELECT value FROM repeated)
+                    QUALIFY row_number() OVER (PARTITION BY {level} ORDER BY {order}) > 1)
+            """)
+        con.sql("DROP TABLE repeated")
+        if alone == 0:
+            return 0, 0
+    else:
+        value = "phash" if level == "phash" else "key"
+        # A row's position in survivor order is its rank.
+        con.sql(
+            f"CREATE OR REPLACE TEMP TABLE ranked AS SELECT rowid AS id, reason IS NULL AS kept, "
+            f"{value} AS value, row_number() OVER (ORDER BY {', '.join(_rank_terms(con))}) - 1 "
+            f"AS pos FROM passing WHERE {value} IS NOT NULL"
+        )
+        extra = ", value" if level == "phash" else ""
+        rows = con.sql(f"SELECT id, kept{extra} FROM ranked ORDER BY pos").fetchnumpy()
+        ids, kept = rows["id"], np.asarray(rows["kept"], bool)
+        rank = np.arange(len(ids))
+        if level == "phash":
+            near = NearHashes(np.asarray(rows["value"], np.uint64), profile.phash_distance)
+            alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
+        elif len(ids):
+            # The cluster-ordered embeddings go to disk beside the source, not to memory.
+            with semantic_workdir(scores_dir.parent) as tmp:
+                index = SemanticIndex(
+                    score_parts(con, scores_dir, len(ids)),
+                    rank,
+                    profile.semantic_threshold,
+                    device=device,
+                    workdir=Path(tmp),
+                )
+                alone, lost = int(index.losers().sum()), index.losers(kept)
+                del index
+        else:
+            alone, lost = 0, kept
+        con.sql("DROP TABLE ranked")
+        if alone == 0:
+            return 0, 0
+        con.register("lost", pa.table({"id": pa.array(ids[lost], pa.int64())}))
+        con.sql(f"UPDATE passing SET reason = '{reason}' WHERE rowid IN (SELECT id FROM lost)")
+        con.unregister("lost")
+    removed = _scalar(con, f"SELECT count(*) FROM passing WHERE reason = '{reason}'")
+    return alone, removed
+
+
+def _rank_terms(con: duckdb.DuckDBPyConnection) -> list[str]:
+    columns = {r[0] for r in con.sql("DESCRIBE passing").fetchall()}
+    needs = (("width", "height"), ("aesthetic",), ("key",), ("filename",), ("file_row_number",))
+    return [t for t, cols in zip(RANK_ORDER, needs, strict=True) if set(cols) <= columns]
+
+
+def semantic_workdir(source_dir: Path) -> tempfile.TemporaryDirectory:
+    """A folder for the cluster-ordered embeddings (as large as the embeddings, twice over),
+    removed after use; one a killed run on this host left (its process gone) goes first."""
+    host = socket.gethostname()
+    for stale in source_dir.glob(f".semantic.tmp-{host}-*"):
+        pid = int(stale.name.rsplit("-", 2)[1])
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(stale, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+    prefix = f".semantic.tmp-{host}-{os.getpid()}-"
+    return tempfile.TemporaryDirectory(prefix=prefix, dir=source_dir)
+
+
+def score_parts(con: duckdb.DuckDBPyConnection, scores_dir: Path, num_rows: int) -> Parts:
+    """The embeddings of table `ranked`'s rows (row i: `pos` i), readable score shard by score
+    shard: which shard row holds each key is found in DuckDB, and a part reads one shard."""
+    files = sorted(scores_dir.glob("[0-9]*.parquet"))
+    paths = [str(f) for f in files]
+    con.register("score_files", pa.table({"file": np.arange(len(files)), "filename": paths}))
+    located = con.sql(f"""
+        SELECT r.pos, min((f.file::BIGINT << 32) | s.file_row_number) AS loc
+        FROM read_parquet({paths!r}, filename=true, file_row_number=true) s
+        JOIN score_files f USING (filename) JOIN ranked r ON r.value = s.key
+        GROUP BY r.pos ORDER BY loc
+    """).fetchnumpy()  # min(): a key scored twice is read once, from its first shard
+    con.unregister("score_files")
+    pos, at = np.asarray(located["pos"], np.int64), np.asarray(located["loc"], np.int64)
+    if len(pos) != num_rows:
+        raise AssertionError(f"{num_rows - len(pos)} of {num_rows} rows have no embedding")
+    file, row = at >> 32, at & 0xFFFFFFFF
+    starts = np.flatnonzero(np.diff(file, prepend=-1))
+    ends = np.append(starts[1:], len(file))
+    readers = [
+        functools.partial(_read_embeddings, files[file[a]], row[a:b], pos[a:b])
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    dim = pq.read_schema(files[0]).field("embedding").type.list_size if files else 0
+    return Parts(num_rows, dim, readers)
+
+
+def _read_embeddings(
+    path: Path, rows: np.ndarray, pos: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    column = pq.read_table(path, columns=["embedding"])["embedding"].combine_chunks()
+    values = np.asarray(column.flatten()).reshape(len(column), column.type.list_size)
+    return pos, values[rows]

@@ -1,0 +1,333 @@
+"""Semantic duplicates at scale, as SemDeDup: k-means, then pairs only within a cluster.
+
+Embeddings stream from their parts (a score shard each) twice: once to assign rows to their
+nearest centroid (a row near a boundary also visits the second nearest, so a pair the boundary
+splits still meets), once to copy them into a cluster-ordered fp16 file; memory holds a part
+and a cluster, never the set. Similarities are screened in bf16/fp16 and every one near the
+threshold is confirmed in float64: CPU and GPU make the same decisions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tasks.curation.survivors import ABSENT, DROPPED, SURVIVES, UNDECIDED, settle
+
+Reader = Callable[[], tuple[np.ndarray, np.ndarray]]  # -> (row int64 [b], embedding fp16 [b, D])
+SMALL = 4096  # rows compared all pairs, no clustering
+SAMPLE_PER_CLUSTER = 40  # k-means training rows per centroid
+VISITOR_SHARE = 2  # visitors a cluster takes, per row of its own
+KMEANS_ITERS = 10
+QUERY_BLOCK, REF_BLOCK = 256, 4096  # rows per similarity block
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Embeddings of `num_rows` rows, readable part by part (each row in exactly one part)."""
+
+    num_rows: int
+    dim: int
+    readers: Sequence[Reader]
+
+    @classmethod
+    def from_array(cls, x_ND: np.ndarray, part_rows: int = 65536) -> Parts:
+        def read(start: int) -> tuple[np.ndarray, np.ndarray]:
+            stop = min(start + part_rows, len(x_ND))
+            return np.arange(start, stop), np.asarray(x_ND[start:stop], np.float16)
+
+        starts = range(0, len(x_ND), part_rows)
+        return cls(len(x_ND), x_ND.shape[1], [functools.partial(read, s) for s in starts])
+
+
+@functools.cache
+def _cpu_screen_dtype() -> torch.dtype:
+    """bf16 where this CPU multiplies it faster than fp32 (AVX512-BF16, AMX), else fp32."""
+    a, b = torch.randn(QUERY_BLOCK, 768), torch.randn(REF_BLOCK, 768)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y.T
+        start = time.perf_counter()
+        for _ in range(3):
+            x @ y.T
+        best[dtype] = time.perf_counter() - start
+    return min(best, key=best.get)
+
+
+def screen(device: torch.device) -> tuple[torch.dtype, float]:
+    """(dtype, margin): similarities of unit vectors in `dtype` are within `margin` of exact
+    (input and output rounding: 3 units of the last place for bf16, plus fp16's reduced-precision
+    reductions on CUDA), so every pair at or above `threshold - margin` is confirmed."""
+    if device.type == "cuda":
+        return torch.float16, 0.02
+    dtype = _cpu_screen_dtype()
+    return dtype, 0.03 if dtype == torch.bfloat16 else 1e-4
+
+
+def num_clusters_for(num_rows: int) -> int:
+    """~sqrt(N) clusters: assigning costs N x k, comparing within clusters N x N / k."""
+    return 1 if num_rows <= SMALL else round(math.sqrt(num_rows))
+
+
+def _scores(x_ND: torch.Tensor, centroids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x . c - |c|^2 / 2 for every centroid: the larger, the nearer (Euclidean)."""
+    half = (centroids.float() ** 2).sum(1) / 2
+    return (x_ND.to(dtype) @ centroids.to(dtype).T).float() - half
+
+
+def kmeans(
+    x_ND: torch.Tensor, k: int, dtype: torch.dtype, generator: torch.Generator
+) -> torch.Tensor:
+    """Euclidean k-means of `x_ND` (float32); returns centroids [k, D] (float32)."""
+    pick = torch.randperm(len(x_ND), generator=generator)[:k].to(x_ND.device)
+    centroids = x_ND[pick].clone()
+    for _ in range(KMEANS_ITERS):
+        nearest = torch.cat([_scores(x, centroids, dtype).argmax(1) for x in x_ND.split(16384)])
+        sums = torch.zeros_like(centroids).index_add_(0, nearest, x_ND)
+        counts = torch.bincount(nearest, minlength=k)
+        empty = (counts == 0).nonzero().flatten()
+        if len(empty):  # an empty cluster restarts at a random row
+            reseed = torch.randint(len(x_ND), (len(empty),), generator=generator)
+            sums[empty] = x_ND[reseed.to(x_ND.device)]
+            counts[empty] = 1
+        centroids = sums / counts[:, None]
+    return centroids
+
+
+class SemanticIndex:
+    """Rows laid out by cluster, each cluster in rank order; `losers` applies the survivor rule
+    (`tasks.curation.survivors`) to any subset of the rows, from the same layout."""
+
+    def __init__(
+        self,
+        parts: Parts,
+        rank: np.ndarray,
+        threshold: float,
+        *,
+        device: str | torch.device | None = None,
+        num_clusters: int | None = None,
+        max_visits: int = 2,
+        workdir: Path | None = None,
+        seed: int = 0,
+    ):
+        n = parts.num_rows
+        self.parts, self.threshold = parts, threshold
+        self.device = torch.device(device or "cpu")
+        self.dtype, self.margin = screen(self.device)
+        self.num_clusters = min(n, num_clusters or num_clusters_for(n)) or 1
+        order = np.argsort(rank, kind="stable")
+        dense_rank = np.empty(n, np.int64)
+        dense_rank[order] = np.arange(n)
+        self.max_visits = min(max_visits, self.num_clusters - 1)
+        primary, visits = self._assign(seed)
+        # Slots: one per (cluster, row) entry, ordered by cluster, then rank.
+        visitor_row, visit = np.nonzero(visits >= 0)
+        cluster = np.concatenate([primary, visits[visitor_row, visit]]).astype(np.int64)
+        entry_rank = np.concatenate([dense_rank, dense_rank[visitor_row]])
+        by_slot = np.argsort((cluster << 40) | entry_rank)  # entry of each slot
+        self.slot_row = order[entry_rank[by_slot]]
+        self.offsets = np.searchsorted(cluster[by_slot], np.arange(self.num_clusters + 1))
+        self.slot_cluster = cluster[by_slot].astype(np.int32)
+        slot_of_entry = np.empty_like(by_slot)
+        slot_of_entry[by_slot] = np.arange(len(by_slot))
+        self.primary_slot = slot_of_entry[:n]
+        self.visitor_slot = np.full(visits.shape, -1, np.int64)
+        self.visitor_slot[visitor_row, visit] = slot_of_entry[n:]
+        self.num_visits = len(visitor_row)
+        self.largest_cluster = int(np.diff(self.offsets).max()) if n else 0  # rows + visitors
+        shape = (len(by_slot), parts.dim)
+        if workdir is None:
+            self.store = np.empty(shape, np.float16)
+        else:  # cluster-ordered on disk under the data root; the page cache holds what fits
+            self.store = np.lib.format.open_memmap(
+                Path(workdir) / "semantic-slots.npy", "w+", np.float16, shape
+            )
+        for read in parts.readers:
+            rows, emb = read()
+            self.store[self.primary_slot[rows]] = emb
+            for slot in self.visitor_slot[rows].T:
+                self.store[slot[slot >= 0]] = emb[slot >= 0]
+        self.rounds = 0
+        self.alone: np.ndarray | None = None  # rows without a better duplicate among all
+
+    def _unit(self, emb: np.ndarray) -> torch.Tensor:
+        return F.normalize(torch.from_numpy(emb).to(self.device).float(), dim=1)
+
+    def _assign(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(nearest cluster [N], visited clusters or -1 [N, max_visits]). A row y of cluster B
+        also visits the next-nearest centroids A whose cell lies within sqrt(2 - 2 t) of it
+        (its distance to the bisector of cA and cB): a duplicate x of y in A's cell would be
+        that close, as the segment x-y crosses the bisector. With every such A visited no
+        pair is missed; `max_visits` caps them (SemDeDup visits none)."""
+        n, k = self.parts.num_rows, self.num_clusters
+        primary = np.zeros(n, np.int32)
+        visits = np.full((n, self.max_visits), -1, np.int32)
+        if k == 1:
+            return primary, visits
+        gap = np.full((n, self.max_visits), np.inf, np.float32)  # distance to the bisector
+        generator = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        want = min(n, k * SAMPLE_PER_CLUSTER)
+        sample, have = [], 0
+        for i in rng.permutation(len(self.parts.readers)):  # whole parts, in random order
+            _, emb = self.parts.readers[i]()
+            sample.append(emb)
+            have += len(emb)
+            if have >= 2 * want:
+                break
+        sample = np.concatenate(sample)
+        sample = self._unit(sample[rng.choice(len(sample), want, replace=False)])
+        # Clustered after subtracting the mean: every CLIP embedding shares a direction, and
+        # unshifted, a centroid near it is second-nearest to most rows (a hub every row
+        # visits). A shift keeps distances, so the bisector reach below still holds.
+        center = sample.mean(0)
+        centroids = kmeans(sample - center, k, self.dtype, generator)
+        reach = math.sqrt(max(0.0, 2 - 2 * self.threshold))
+        for read in self.parts.readers:
+            rows, emb = read()
+            for start in range(0, len(rows), 16384):
+                y = self._unit(emb[start : start + 16384]) - center
+                scores, nearest = _scores(y, centroids, torch.float32).topk(1 + self.max_visits)
+                # y's distance to the bisector of cA, cB: (|y-cA|^2 - |y-cB|^2) / 2|cA-cB|.
+                apart = (centroids[nearest[:, 1:]] - centroids[nearest[:, :1]]).norm(dim=2)
+                to_bisector = (scores[:, :1] - scores[:, 1:]) / apart.clamp_min(1e-6)
+                chunk = rows[start : start + 16384]
+                primary[chunk] = nearest[:, 0].cpu().numpy()
+                visits[chunk] = torch.where(to_bisector <= reach, nearest[:, 1:], -1).cpu().numpy()
+                gap[chunk] = to_bisector.cpu().numpy()
+        # A centroid in the middle of the cloud is in reach of a large share of all rows (a
+        # hub): comparing them all there is quadratic. Each cluster takes the visitors
+        # nearest its border, at most VISITOR_SHARE x its own rows (or the mean cluster's).
+        row, visit = np.nonzero(visits >= 0)
+        cluster = visits[row, visit].astype(np.int64)
+        order = np.lexsort((gap[row, visit], cluster))
+        cluster = cluster[order]
+        place = np.arange(len(order)) - np.searchsorted(cluster, cluster)
+        cap = VISITOR_SHARE * np.maximum(np.bincount(primary, minlength=k), n // k)
+        cut = order[place >= cap[cluster]]
+        visits[row[cut], visit[cut]] = -1
+        return primary, visits
+        generator = torch.Generator().manual_seed(seed)
+        rng = np.random.default_rng(seed)
+        want = min(n, k * SAMPLE_PER_CLUSTER)
+        sample, have = [], 0
+        for i in rng.permutation(len(self.parts.readers)):  # whole parts, in random order
+            _, emb = self.parts.readers[i]()
+            sample.append(emb)
+            have += len(emb)
+            if have >= 2 * want:
+                break
+        sample = np.concatenate(sample)
+        sample = sample[rng.choice(len(sample), want, replace=False)]
+        centroids = kmeans(self._unit(sample), k, self.dtype, generator).to(self.dtype)
+        reach = math.sqrt(max(0.0, 2 - 2 * self.threshold))
+        for read in self.parts.readers:
+            rows, emb = read()
+            for start in range(0, len(rows), 16384):
+                x = self._unit(emb[start : start + 16384]).to(self.dtype)
+                sims, nearest = (x @ centroids.T).float().topk(1 + self.max_visits, dim=1)
+                # y's distance to the bisector: (|y-cA|^2 - |y-cB|^2) / 2|cA-cB|, unit rows.
+                apart = (centroids[nearest[:, 1:]] - centroids[nearest[:, :1]]).float()
+                to_bisector = (sims[:, :1] - sims[:, 1:]) / apart.norm(dim=2).clamp_min(1e-6)
+                within = to_bisector <= reach
+                chunk = rows[start : start + 16384]
+                primary[chunk] = nearest[:, 0].cpu().numpy()
+                visits[chunk] = torch.where(within, nearest[:, 1:], -1).cpu().numpy()
+        return primary, visits
+
+    def losers(self, include: np.ndarray | None = None) -> np.ndarray:
+        """Rows dropped by the survivor rule among `include` (default all), bool [N].
+
+        The first round of a call over all rows compares every pair in every cluster; the rows
+        it finds without a better duplicate have none in any subset either, so later calls
+        (the rows earlier levels kept) start them as survivors and compare only the rest.
+        """
+        n = self.parts.num_rows
+        state = np.full(n, UNDECIDED, np.int8)
+        if include is not None:
+            state[~np.asarray(include, bool)] = ABSENT
+        if self.alone is not None:
+            state[(state == UNDECIDED) & self.alone] = SURVIVES
+        self.rounds = 0
+        while True:
+            waiting = state[self.slot_row] == UNDECIDED
+            if not waiting.any():
+                break
+            has_survivor, has_undecided = np.zeros(n, bool), np.zeros(n, bool)
+            for c in np.unique(self.slot_cluster[waiting]):
+                self._scan(int(c), state, has_survivor, has_undecided)
+            settle(state, has_survivor, has_undecided)
+            if self.rounds == 0 and include is None and self.alone is None:
+                self.alone = state == SURVIVES
+            self.rounds += 1
+        return state == DROPPED
+
+    def _scan(
+        self, c: int, state: np.ndarray, has_survivor: np.ndarray, has_undecided: np.ndarray
+    ) -> None:
+        """Flag cluster c's undecided rows that have a better-ranked duplicate there that
+        survives / that is undecided. Rows are in rank order: the better ones come first.
+        Visitors are compared with each other too: with visits capped, the cluster they both
+        visit may be the only one where two rows near a boundary meet."""
+        start, stop = self.offsets[c], self.offsets[c + 1]
+        rows = self.slot_row[start:stop]
+        row_state = state[rows]
+        queries = np.flatnonzero(row_state == UNDECIDED)
+        refs = np.flatnonzero(row_state <= SURVIVES)  # undecided or surviving
+        if not len(queries) or refs[0] >= queries[-1]:
+            return
+        raw = torch.from_numpy(np.ascontiguousarray(self.store[start:stop])).to(self.device)
+        low = F.normalize(raw.float(), dim=1).to(self.dtype)
+        survives = torch.from_numpy(row_state == SURVIVES).to(self.device)
+        to_survivor, to_undecided = self._sweep(raw, low, survives, queries, refs)
+        has_survivor[rows[to_survivor]] = True
+        has_undecided[rows[to_undecided]] = True
+
+    def _sweep(
+        self,
+        raw: torch.Tensor,
+        low: torch.Tensor,
+        survives: torch.Tensor,
+        queries: np.ndarray,
+        refs: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(queries with a better duplicate among `refs` that survives, that is undecided):
+        positions in the cluster. A query stops at its first such duplicate (more would not
+        change this round). Pairs are screened in low precision, confirmed in float64."""
+        cut = self.threshold - self.margin
+        to_survivor, to_undecided = [], []
+        for q0 in range(0, len(queries), QUERY_BLOCK):
+            active = torch.from_numpy(queries[q0 : q0 + QUERY_BLOCK]).to(self.device)
+            better = refs[refs < queries[min(q0 + QUERY_BLOCK, len(queries)) - 1]]
+            for r0 in range(0, len(better), REF_BLOCK):
+                if not len(active):
+                    break
+                ref = torch.from_numpy(better[r0 : r0 + REF_BLOCK]).to(self.device)
+                before = ref[None, :] < active[:, None]
+                near = ((low[active] @ low[ref].T).float() >= cut) & before
+                some = near.any(1)
+                if not some.any():
+                    continue
+                q, cols = active[some], near[some].any(0)
+                r = ref[cols]
+                exact_q = F.normalize(raw[q].double(), dim=1)
+                exact_r = F.normalize(raw[r].double(), dim=1)
+                hit = ((exact_q @ exact_r.T) >= self.threshold) & before[some][:, cols]
+                surviving = (hit & survives[r][None, :]).any(1)
+                waiting = (hit & ~survives[r][None, :]).any(1)
+                to_survivor.append(q[surviving].cpu().numpy())
+                to_undecided.append(q[waiting].cpu().numpy())
+                settled = torch.zeros(len(active), dtype=torch.bool, device=self.device)
+                settled[some.nonzero().flatten()[surviving | waiting]] = True
+                active = active[~settled]
+        empty = np.zeros(0, np.int64)
+        return np.concatenate([empty, *to_survivor]), np.concatenate([empty, *to_undecided])

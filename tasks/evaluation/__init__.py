@@ -1,0 +1,1 @@
+"""Evaluation: a phase's eval set generated and scored, its metrics, FID and report."""

@@ -1,0 +1,1 @@
+"""Fine-tune data: a fine-tune's images, latents and class images, as its trainer reads them."""

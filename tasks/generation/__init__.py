@@ -1,0 +1,1 @@
+"""Generation: the batch generator (prompts x seeds -> images), locally or on Ray."""

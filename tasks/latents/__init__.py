@@ -1,0 +1,1 @@
+"""Latents: image decoding, tokenize, encode (VAE), the keys of encoded shards, HF export."""

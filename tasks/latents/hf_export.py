@@ -1,0 +1,177 @@
+"""hf export: a source's token shards as one Hugging Face `datasets` DatasetDict on disk.
+
+`<root>/<source>/hf/` holds {train, validation} as written by `DatasetDict.save_to_disk`
+(load it with `datasets.load_from_disk`): columns `key`, `caption` (the text that was
+tokenized), `input_ids` (int32[77], SD1 CLIP ids) and `shard`, in shard and row order.
+
+Design choices:
+- The split is a function of (key, seed) alone: a key is in validation when the first 8
+  bytes of blake2b(seed, key) read as a fraction are below `val_fraction`. So it is the same
+  for any shard order or subset, and a key never moves split when shards are added.
+- One unit of work (stage `hf`, shard `all`): every done token shard is read, one at a time,
+  into an Arrow stream file per split, so memory holds one shard, not the source; the
+  memory-mapped splits are then saved by `save_to_disk` into a hidden temporary folder under
+  `<root>/<source>/` and renamed to `hf/`. A killed run leaves only the hidden folder (removed
+  by the next run), never a half-written `hf/`; the stats record `hf/all.stats.json` is
+  written after the rename and marks the export done.
+- Done is done: a second call returns the stats record (skipped) without looking at new token
+  shards; one with another seed or fraction fails. Remove `hf/` to export again.
+- A token row whose key has no row in `selected/` (the shard was re-selected after it was
+  tokenized) is dropped as `missing_caption`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sdtrain.lazy import BUILD_LOCK
+from tasks.latents.tokenize import STAGE as TOKENS
+from tasks.latents.tokenize import clean_caption
+from tasks.runtime.shards import TMP_MARK, ShardStats, clean_temporaries, run_shard, stage_dir
+
+STAGE = "hf"
+SPLITS = ("train", "validation")
+
+
+def in_validation(keys: list[str], seed: int, val_fraction: float) -> np.ndarray:
+    """Per key: True when it belongs to the validation split (seeded, order-independent)."""
+    salt = f"sdpipe-split:{seed}:".encode()
+    limit = int(val_fraction * 2**64)
+    return np.array(
+        [
+            int.from_bytes(hashlib.blake2b(salt + k.encode(), digest_size=8).digest(), "big")
+            < limit
+            for k in keys
+        ],
+        dtype=bool,
+    )
+
+
+def done_token_shards(root: Path, source: str) -> list[str]:
+    """Token shards with a stats record (their parquet is complete), in shard order."""
+    d = stage_dir(root, source, TOKENS)
+    names = sorted(p.name.removesuffix(".stats.json") for p in d.glob("*.stats.json"))
+    return [n for n in names if (d / f"{n}.parquet").exists()]
+
+
+def _shard_rows(root: Path, source: str, shard: str, stats: ShardStats) -> pa.Table:
+    tokens = pq.read_table(stage_dir(root, source, TOKENS) / f"{shard}.parquet")
+    selected = pq.read_table(
+        root / source / "selected" / f"{shard}.parquet", columns=["key", "caption"]
+    )
+    captions = {
+        k: clean_caption(c)[0]
+        for k, c in zip(selected["key"].to_pylist(), selected["caption"].to_pylist(), strict=True)
+    }
+    keys = tokens["key"].to_pylist()
+    texts = [captions.get(k) for k in keys]
+    keep = np.array([t is not None for t in texts], dtype=bool)
+    stats.num_in += len(keys)
+    if not keep.all():
+        stats.drop("missing_caption", int((~keep).sum()))
+        tokens = tokens.filter(pa.array(keep))
+        texts = [t for t in texts if t is not None]
+    return pa.table(
+        {
+            "key": tokens["key"],
+            "caption": pa.array(texts, pa.string()),
+            "input_ids": tokens["input_ids"],
+            "shard": pa.array([shard] * tokens.num_rows, pa.string()),
+        }
+    )
+
+
+def export_hf_dataset(
+    root: Path, source: str, *, val_fraction: float = 0.01, seed: int = 0
+) -> ShardStats:
+    """Write `<root>/<source>/hf/` from every done token shard; skipped once done."""
+    with BUILD_LOCK:  # its first import may reach transformers' lazy module
+        import datasets
+
+    if not 0.0 <= val_fraction <= 1.0:
+        raise ValueError(f"val_fraction must be within [0, 1], got {val_fraction}")
+    source_dir = root / source
+    final = stage_dir(root, source, STAGE)
+
+    def work(stats: ShardStats) -> None:
+        clean_temporaries(source_dir, f"{STAGE}.")
+        tmp = source_dir / f".{STAGE}.work{TMP_MARK}{os.getpid()}"
+        tmp.mkdir(parents=True)
+        try:
+            shards = done_token_shards(root, source)
+            counts = _write_split_streams(root, source, shards, tmp, stats, seed, val_fraction)
+            splits = datasets.DatasetDict(
+                {s: datasets.Dataset.from_file(str(tmp / f"{s}.arrow")) for s in SPLITS}
+            )
+            out = tmp / "dataset"
+            # An empty split must be saved as one empty shard: datasets saves it as none,
+            # and load_from_disk then fails.
+            splits.save_to_disk(str(out), num_shards={s: 1 for s, n in counts.items() if not n})
+            del splits  # the memory-mapped split files are removed with tmp
+            stats.num_out = sum(counts.values())
+            stats.extra.update(
+                {**counts, "shards": len(shards), "seed": seed, "val_fraction": val_fraction}
+            )
+            _replace_dir(out, final, source_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    stats = run_shard(root, source, STAGE, "all", work)
+    asked = {"seed": seed, "val_fraction": val_fraction}
+    made = {k: stats.extra.get(k) for k in asked}
+    if made != asked:
+        raise ValueError(
+            f"{final} was exported with {made}, not {asked}: remove it to export again"
+        )
+    return stats
+
+
+def _write_split_streams(
+    root: Path,
+    source: str,
+    shards: list[str],
+    tmp: Path,
+    stats: ShardStats,
+    seed: int,
+    val_fraction: float,
+) -> dict[str, int]:
+    """Each shard's rows appended to `tmp/<split>.arrow` (Arrow stream files)."""
+    schema = pa.schema(
+        {
+            "key": pa.string(),
+            "caption": pa.string(),
+            "input_ids": pa.list_(pa.int32(), 77),
+            "shard": pa.string(),
+        }
+    )
+    counts = dict.fromkeys(SPLITS, 0)
+    writers = {s: pa.ipc.new_stream(str(tmp / f"{s}.arrow"), schema) for s in SPLITS}
+    try:
+        for shard in shards:
+            rows = _shard_rows(root, source, shard, stats).cast(schema)
+            val = in_validation(rows["key"].to_pylist(), seed, val_fraction)
+            for split, mask in (("train", ~val), ("validation", val)):
+                part = rows.filter(pa.array(mask))
+                writers[split].write_table(part)
+                counts[split] += part.num_rows
+    finally:
+        for w in writers.values():
+            w.close()
+    return counts
+
+
+def _replace_dir(new: Path, final: Path, parent: Path) -> None:
+    """Rename `new` to `final`; an existing `final` (a run killed before its stats record) is
+    first renamed aside, so `final` is always either absent or complete."""
+    if final.exists():
+        old = parent / f".{STAGE}.old{TMP_MARK}{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(new, final)

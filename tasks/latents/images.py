@@ -1,0 +1,635 @@
+"""Image bytes -> RGB uint8 pixels by one stated rule per kind of input; decode workers.
+
+Two transforms share the rules: `repack_image` (the shards: the image resized down so its
+short side is at most `size` and its long side at most 4 x `size`, aspect ratio kept, never
+up) and `decode_image` (a reader's `size` x `size` square: short side resized to `size`,
+center crop).
+
+A JPEG with room for it is decoded reduced by 2, 4 or 8 in the DCT domain (libjpeg scaling,
+the same pixels as PIL's `draft`) before the resize: the reduced image still has at least the
+target's sides, so the reduced decode is part of the transform, not an approximation of it.
+Workers are plain `python -m tasks.latents.images` processes, so this module imports neither torch
+nor sdpipe.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import tarfile
+import threading
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from catalog import buckets
+from tasks.runtime import concurrency
+
+# The rules, in the order they are applied (a reason is what the stats record counts):
+# - bytes no decoder reads -> dropped, `decode_error`
+# - JPEG with no end marker after its last scan, PNG with no IEND chunk, WebP shorter than its
+#   RIFF header says -> dropped, `truncated`
+# - JPEG: EXIF orientation applied; grayscale and CMYK/YCCK converted to RGB by libjpeg/OpenCV
+#   (on the stored, Adobe-inverted samples C', K': R = K' - ((255 - C') K' >> 8), i.e.
+#   (255 - C)(255 - K) / 255 to within a level)
+# - other formats (PNG, WebP, GIF, BMP, TIFF) as stored (no EXIF orientation); palette
+#   expanded; 16-bit samples keep their high byte; alpha composited over white (as img2dataset
+#   does for URL sources); samples that are not 8/16-bit integers -> dropped, `unsupported_depth`
+# - more than MAX_PIXELS pixels by the header (a decompression bomb, or nothing a 512 px
+#   sample needs) -> dropped, `too_large`, before any pixel is decoded
+# - aspect ratio above MAX_ASPECT (a sliver; a reader's square would be a speck of it, its
+#   resized long side huge) -> dropped, `extreme_aspect`
+# - an image whose decode kills the worker process -> dropped, `decoder_crash` (DecodePool)
+# - then, in the shards (`repack_image`): the crop box if the source gives one (a crop of the
+#   image as displayed, before any resize), then resized down (INTER_AREA) to a short side of
+#   at most `size`, long side at most 4 x `size`, aspect kept (`buckets.stored_size`), never up;
+#   for a reader (`decode_image`, `fit`): short side resized to `size` (INTER_AREA down,
+#   INTER_CUBIC up), then the center `size` x `size` crop.
+MAX_ASPECT = 64
+MAX_PIXELS = 2 * 89_478_485  # PIL's decompression-bomb error limit
+# What a crop box that leaves the image is padded with: mid-gray, 0 in the VAE's [-1, 1] input.
+PAD_FILL = 127
+REDUCED_FLAGS = {
+    2: cv2.IMREAD_REDUCED_COLOR_2,
+    4: cv2.IMREAD_REDUCED_COLOR_4,
+    8: cv2.IMREAD_REDUCED_COLOR_8,
+}
+
+_JPEG_SOS, _JPEG_EOI = b"\xff\xda", b"\xff\xd9"
+_PNG_IEND = b"IEND\xaeB`\x82"  # the IEND chunk type and its (constant) CRC
+
+
+class Unusable(Exception):
+    """An image this stage drops; `reason` is what the shard's stats count it under."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def sniff(data: bytes) -> str:
+    """The container format from the leading bytes (file names and extensions lie)."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "jpeg"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return "other"
+
+
+def is_truncated(data: bytes, fmt: str) -> bool:
+    if fmt == "jpeg":
+        # 0xFFD9 cannot occur inside entropy-coded data (0xFF is stuffed), and an EXIF
+        # thumbnail's own EOI lies before the main image's last scan.
+        end = data.rfind(_JPEG_EOI)
+        return end < 0 or end < data.rfind(_JPEG_SOS)
+    if fmt == "png":
+        return _PNG_IEND not in data
+    if fmt == "webp":
+        return len(data) < 8 + int.from_bytes(data[4:8], "little")
+    return False
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from the JPEG frame header, without decoding; None if not found."""
+    i, n = 2, len(data)
+    while i + 9 < n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        # SOF0..SOF15, except DHT (C4), JPG (C8) and DAC (CC), carry the frame size.
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            height = int.from_bytes(data[i + 5 : i + 7], "big")
+            width = int.from_bytes(data[i + 7 : i + 9], "big")
+            return width, height
+        i += 2 + length
+    return None
+
+
+def header_size(data: bytes, fmt: str) -> tuple[int, int] | None:
+    """(width, height) as the file's header declares it, without decoding; None if unknown."""
+    if fmt == "jpeg":
+        return jpeg_size(data)
+    if fmt == "png" and len(data) >= 24 and data[12:16] == b"IHDR":
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    if data[:2] == b"BM" and len(data) >= 26:
+        return abs(int.from_bytes(data[18:22], "little", signed=True)), abs(
+            int.from_bytes(data[22:26], "little", signed=True)
+        )
+    if fmt == "webp" and len(data) >= 30:
+        chunk = data[12:16]
+        if chunk == b"VP8X":
+            return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(
+                data[27:30], "little"
+            )
+        if chunk == b"VP8L" and data[20] == 0x2F:
+            bits = int.from_bytes(data[21:25], "little")
+            return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+        if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+            return int.from_bytes(data[26:28], "little") & 0x3FFF, int.from_bytes(
+                data[28:30], "little"
+            ) & 0x3FFF
+    return None
+
+
+def reduction(short_side: int, size: int) -> int:
+    """The DCT reduction of a JPEG: the largest of 8, 4, 2 that keeps the short side >= size."""
+    return next((k for k in (8, 4, 2) if short_side >= k * size), 1)
+
+
+def stored_reduction(region: tuple[int, int], target: tuple[int, int]) -> int:
+    """The DCT reduction for a stored image: the largest of 8, 4, 2 that keeps the kept region
+    (width, height, in full-size pixels) at least `target` (its stored sides) on both sides."""
+    return next(
+        (k for k in (8, 4, 2) if region[0] >= k * target[0] and region[1] >= k * target[1]), 1
+    )
+
+
+def decode_rgb(data: bytes, size: int, *, reduce: int | None = None) -> np.ndarray:
+    """Decoded RGB uint8 [h, w, 3] by the rules above (not yet resized); raises Unusable.
+
+    A JPEG is decoded reduced by `reduce` if given, else by the short-side rule (`reduction`)
+    that `fit` to `size` needs."""
+    fmt = sniff(data)
+    if is_truncated(data, fmt):
+        raise Unusable("truncated")
+    dims = header_size(data, fmt)
+    if dims and dims[0] * dims[1] > MAX_PIXELS:
+        raise Unusable("too_large")
+    buf = np.frombuffer(data, np.uint8)
+    if fmt == "jpeg":
+        k = reduce if reduce is not None else reduction(min(dims), size) if dims else 1
+        bgr = cv2.imdecode(buf, REDUCED_FLAGS[k] if k > 1 else cv2.IMREAD_COLOR)
+        if bgr is None:
+            raise Unusable("decode_error")
+        return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
+    img = cv2.imdecode(buf, cv2.IMREAD_UNCHANGED)
+    if img is None:
+        raise Unusable("decode_error")
+    if img.dtype == np.uint16:
+        img = (img >> 8).astype(np.uint8)
+    elif img.dtype != np.uint8:
+        raise Unusable("unsupported_depth")
+    if img.ndim == 2 or img.shape[2] == 1:
+        return cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
+    if img.shape[2] == 4:
+        alpha = img[:, :, 3:].astype(np.uint32)
+        over_white = (img[:, :, :3] * alpha + 255 * (255 - alpha) + 127) // 255
+        return cv2.cvtColor(over_white.astype(np.uint8), cv2.COLOR_BGR2RGB)
+    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+
+
+def fit(rgb: np.ndarray, size: int) -> np.ndarray:
+    """Short side resized to `size`, then the center `size` x `size` crop."""
+    return cover(rgb, (size, size))
+
+
+def cover(rgb: np.ndarray, bucket: tuple[int, int]) -> np.ndarray:
+    """`rgb` resized to cover `bucket` (width, height) and center-cropped to it
+    (`buckets.cover_box`): INTER_AREA down, INTER_CUBIC up."""
+    check_aspect(rgb)
+    h, w = rgb.shape[:2]
+    bw, bh = bucket
+    new_w, new_h, left, top = buckets.cover_box(w, h, bucket)
+    if (new_w, new_h) != (w, h):
+        interpolation = cv2.INTER_AREA if new_w * new_h < w * h else cv2.INTER_CUBIC
+        rgb = cv2.resize(rgb, (new_w, new_h), interpolation=interpolation)
+    return np.ascontiguousarray(rgb[top : top + bh, left : left + bw])
+
+
+def check_aspect(rgb: np.ndarray) -> None:
+    """A sliver past MAX_ASPECT is dropped (`extreme_aspect`)."""
+    h, w = rgb.shape[:2]
+    if max(h, w) > MAX_ASPECT * min(h, w):
+        raise Unusable("extreme_aspect")
+
+
+def decode_image(data: bytes, size: int) -> np.ndarray:
+    """RGB uint8 [size, size, 3] of an image's bytes; raises Unusable with the drop reason."""
+    try:
+        return fit(decode_rgb(data, size), size)
+    except cv2.error:
+        raise Unusable("decode_error") from None
+
+
+def decode_rows(
+    items: list[tuple[int, bytes]], size: int
+) -> tuple[list[int], np.ndarray, dict[int, str]]:
+    """Decode worker task: (rows decoded, their pixels [n, size, size, 3], reason per dropped row).
+
+    Whatever one image raises drops that image only: the shard goes on.
+    """
+    rows, pixels, dropped = per_image(items, lambda data: decode_image(data, size))
+    stacked = np.stack(pixels) if pixels else np.zeros((0, size, size, 3), np.uint8)
+    return rows, stacked, dropped
+
+
+def original_size(data: bytes, decoded: np.ndarray, reduced: int) -> tuple[int, int]:
+    """(width, height) of the image as stored, EXIF orientation applied."""
+    h, w = decoded.shape[:2]
+    dims = jpeg_size(data) if reduced > 1 else None
+    if dims is None:
+        return w, h
+    # The frame header gives the stored size; orientation may have turned it by 90 degrees.
+    return dims if (dims[0] >= dims[1]) == (w >= h) else (dims[1], dims[0])
+
+
+def crop_padded(
+    rgb: np.ndarray, crop: tuple[int, int, int, int], width: int, height: int
+) -> np.ndarray:
+    """The box `crop` (x, y, w, h in stored pixels of a `width` x `height` image) of `rgb` (the
+    image as decoded, maybe reduced), padded with PAD_FILL where it leaves the image."""
+    sx, sy = rgb.shape[1] / width, rgb.shape[0] / height
+    x0, y0 = round(crop[0] * sx), round(crop[1] * sy)
+    x1, y1 = round((crop[0] + crop[2]) * sx), round((crop[1] + crop[3]) * sy)
+    ix0, iy0 = max(0, x0), max(0, y0)
+    ix1, iy1 = min(rgb.shape[1], x1), min(rgb.shape[0], y1)
+    if ix1 - ix0 < 1 or iy1 - iy0 < 1:
+        raise Unusable("empty_crop")
+    if (ix0, iy0, ix1, iy1) == (x0, y0, x1, y1):
+        return rgb[y0:y1, x0:x1]
+    canvas = np.full((y1 - y0, x1 - x0, 3), PAD_FILL, np.uint8)
+    canvas[iy0 - y0 : iy1 - y0, ix0 - x0 : ix1 - x0] = rgb[iy0:iy1, ix0:ix1]
+    return canvas
+
+
+def repack_image(
+    data: bytes,
+    size: int,
+    *,
+    min_side: int = 0,
+    crop: tuple[int, int, int, int] | None = None,
+    quality: int = 95,
+) -> tuple[bytes, int, int]:
+    """(JPEG bytes of the stored image, original width, original height) of an image's bytes.
+
+    The decode rules above, then `crop` (x, y, w, h in stored pixels; where the box leaves the
+    image it is padded with PAD_FILL) if given, then resized down to a short side of at most
+    `size`, aspect ratio kept (`buckets.stored_size` of the kept region; never up). Raises Unusable:
+    the rules' reasons, or `too_small` when the original short side is under `min_side`.
+    """
+    fmt = sniff(data)
+    dims = jpeg_size(data) if fmt == "jpeg" else None
+    if dims and min(dims) < min_side:
+        raise Unusable("too_small")
+    k = 1
+    if dims:
+        # The reduced decode must keep the kept region at least its stored sides. EXIF
+        # orientation may swap the header's sides; a reduction scales both alike, so the rule
+        # holds either way (and a crop box is the region whatever the orientation).
+        region = (crop[2], crop[3]) if crop else dims
+        if min(region) > 0:
+            k = stored_reduction(region, buckets.stored_size(*region, size))
+    try:
+        rgb = decode_rgb(data, size, reduce=k)
+        width, height = original_size(data, rgb, k)
+        if min(width, height) < min_side:
+            raise Unusable("too_small")
+        if crop:
+            rgb = crop_padded(rgb, crop, width, height)
+            region = (crop[2], crop[3])
+        else:
+            region = (width, height)
+        stored = shrink(rgb, buckets.stored_size(*region, size))
+        ok, jpeg = cv2.imencode(
+            ".jpg", cv2.cvtColor(stored, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality]
+        )
+    except cv2.error:
+        raise Unusable("decode_error") from None
+    if not ok:
+        raise Unusable("encode_error")
+    return jpeg.tobytes(), width, height
+
+
+def shrink(rgb: np.ndarray, target: tuple[int, int]) -> np.ndarray:
+    """`rgb` resized to `target` (width, height), the stored size of the full-size region it
+    shows (maybe decoded reduced): INTER_AREA, as a reduced decode keeps at least the target's
+    sides (INTER_CUBIC only where a crop box's rounding left a side a pixel short)."""
+    check_aspect(rgb)
+    h, w = rgb.shape[:2]
+    if (w, h) == target:
+        return np.ascontiguousarray(rgb)
+    down = w >= target[0] and h >= target[1]
+    interpolation = cv2.INTER_AREA if down else cv2.INTER_CUBIC
+    return cv2.resize(rgb, target, interpolation=interpolation)
+
+
+def repack_rows(
+    items: list[tuple[int, bytes, tuple | None]], size: int, *, min_side: int = 0
+) -> tuple[list[int], list[tuple[bytes, int, int]], dict[int, str]]:
+    """Repack worker task: (rows repacked, their (jpeg, width, height), reason per dropped row)."""
+    return per_image(
+        items, lambda data, crop: repack_image(data, size, min_side=min_side, crop=crop)
+    )
+
+
+def per_image(items: Iterable[tuple], transform) -> tuple[list[int], list, dict[int, str]]:
+    """A worker task's loop over (row, *arguments) items: (rows done, `transform(*arguments)` of
+    each, reason per dropped row). Whatever one image raises drops that image only: a decoder's
+    unforeseen failure is one bad image (`decode_error`), not a bad shard."""
+    rows, out, dropped = [], [], {}
+    for row, *arguments in items:
+        try:
+            out.append(transform(*arguments))
+            rows.append(row)
+        except Unusable as e:
+            dropped[row] = e.reason
+        except Exception:
+            dropped[row] = "decode_error"
+    return rows, out, dropped
+
+
+# ---- decode workers --------------------------------------------------------------------------
+
+# What a worker can be asked to do: name -> fn(items, size, **options) -> (rows, payload,
+# dropped), where payload is an array (stacked pixels) or a list, one entry per row kept.
+WORKER_TASKS = {"decode": decode_rows, "repack": repack_rows}
+
+WORKER_COMMAND = (sys.executable, "-m", "tasks.latents.images")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def serve() -> None:
+    """A worker's loop: pickled (task, items, size, options) on stdin, results on stdout."""
+    # Parallelism comes from the worker processes; cv2's own threads would oversubscribe.
+    cv2.setNumThreads(1)
+    # The protocol gets a private copy of stdout; fd 1 goes to stderr, so whatever a C
+    # library prints cannot corrupt it.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+    while True:
+        try:
+            task, items, size, options = pickle.load(requests)
+        except EOFError:  # the parent closed our stdin, or died
+            return
+        result = WORKER_TASKS[task](items, size, **options)
+        pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
+
+
+class WorkerDied(Exception):
+    pass
+
+
+class _Worker:
+    def __init__(self, command: tuple[str, ...]):
+        path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path},
+        )
+
+    def call(self, request: tuple):
+        try:
+            pickle.dump(request, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proc.stdin.flush()
+            return pickle.load(self.proc.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            self.proc.kill()
+            self.proc.wait()
+            raise WorkerDied(f"decode worker exited with {self.proc.returncode}") from e
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+class Lanes:
+    """Worker processes fed over pipes, one feeding thread per worker, from one queue of
+    futures; the base of the decode pool and of fetch-images' downloaders. A subclass says
+    how to start a worker (`_start`, an object with `call` and `close`) and how to run a
+    request on it (`_run`, which may replace a worker that died)."""
+
+    def __init__(self, num_workers: int, name: str, *, eager: bool = False):
+        """`eager`: start every worker process now, not at its first request."""
+        self.eager = eager
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [
+            threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
+            for i in range(num_workers)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _submit(self, request) -> Future:
+        future: Future = Future()
+        self.tasks.put((future, request))
+        return future
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.tasks.put(None)
+        for t in self.threads:
+            t.join()
+
+    def _start(self):
+        raise NotImplementedError
+
+    def _run(self, worker, request) -> tuple:
+        """(the request's result, or the exception that fails it; the worker to keep: None
+        if it died)."""
+        raise NotImplementedError
+
+    def _serve(self) -> None:
+        worker = None
+        if self.eager:
+            try:
+                worker = self._start()
+            except OSError:  # started again at the first request, which then reports the error
+                worker = None
+        while (task := self.tasks.get()) is not None:
+            future, request = task
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result, worker = self._run(worker, request)
+            except BaseException as e:  # e.g. no process could be started: fail the request
+                future.set_exception(e)
+                continue
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        if worker is not None:
+            worker.close()
+
+
+class DecodePool(Lanes):
+    """Decode worker processes fed over pipes, one feeding thread per worker.
+
+    Not multiprocessing: a worker needs neither fork nor the parent's main module, and it
+    exits when its stdin closes, so a killed parent leaves no orphans. A worker that dies in a
+    task (a decoder crash) is replaced and the task's images retried one at a time: the image
+    that kills a worker on its own is dropped as `decoder_crash`, the others are kept.
+    """
+
+    def __init__(
+        self, num_workers: int, command: tuple[str, ...] = WORKER_COMMAND, *, eager: bool = False
+    ):
+        """`eager`: start every worker process now, not at its first task."""
+        self.command = command
+        super().__init__(num_workers, "decode", eager=eager)
+
+    def submit(self, items: list, size: int, task: str = "decode", **options) -> Future:
+        """A future of `WORKER_TASKS[task](items, size, **options)`, computed in a worker."""
+        return self._submit((task, items, size, options))
+
+    def _start(self) -> _Worker:
+        return _Worker(self.command)
+
+    def _run(self, worker, request) -> tuple:
+        try:
+            worker = worker or self._start()
+            return worker.call(request), worker
+        except WorkerDied:
+            return self._one_at_a_time(*request), None
+
+    def _one_at_a_time(self, task, items, size, options):
+        rows, parts, dropped = [], [], {}
+        for item in items:
+            worker = _Worker(self.command)
+            try:
+                ok, payload, why = worker.call((task, [item], size, options))
+            except WorkerDied:
+                dropped[item[0]] = "decoder_crash"
+                continue
+            worker.close()
+            rows += ok
+            parts.append(payload)
+            dropped |= why
+        empty = WORKER_TASKS[task]([], size, **options)[1]
+        if isinstance(empty, np.ndarray):
+            return rows, np.concatenate([empty, *parts]), dropped
+        return rows, [x for part in parts for x in part], dropped
+
+
+def write_sample(tar: tarfile.TarFile, key: str, jpeg: bytes, caption: str, meta: dict) -> None:
+    """One webdataset sample: key.jpg, key.txt (the caption), key.json (its sample-table row)."""
+    for ext, data in (
+        ("jpg", jpeg),
+        ("txt", caption.encode()),
+        ("json", json.dumps(meta, ensure_ascii=False).encode()),
+    ):
+        info = tarfile.TarInfo(f"{key}.{ext}")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+
+
+_shared: concurrency.Kept[DecodePool] = concurrency.Kept(DecodePool)
+
+
+def shared_pool(num_workers: int | None = None) -> DecodePool:
+    """The process's decode pool of `num_workers` (default: one per core), kept for every later
+    shard of every stage that repacks (a pool per shard would start its processes each time)."""
+    return _shared.get(num_workers or len(os.sched_getaffinity(0)))
+
+
+def repack_stream(
+    pool: DecodePool,
+    items: Iterable[tuple[int, bytes, tuple | None]],
+    size: int,
+    *,
+    min_side: int = 0,
+    chunk: int = 32,
+    in_flight: int = 4,
+) -> Iterator[tuple[int, tuple[bytes, int, int] | str]]:
+    """(row, (jpeg, width, height)) per image kept, (row, reason) per image dropped: `items`
+    (row, bytes, crop box) through the pool's repack workers, streamed in chunks with at most
+    `in_flight` chunks per worker waiting, so memory holds a few chunks, not a shard."""
+    pending: collections.deque[Future] = collections.deque()
+    limit = in_flight * len(pool.threads)
+
+    def drain(until: int) -> Iterator:
+        while len(pending) > until:
+            done, payload, dropped = pending.popleft().result()
+            yield from zip(done, payload, strict=True)
+            yield from dropped.items()
+
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == chunk:
+            pending.append(pool.submit(batch, size, "repack", min_side=min_side))
+            batch = []
+            yield from drain(limit)
+    if batch:
+        pending.append(pool.submit(batch, size, "repack", min_side=min_side))
+    yield from drain(0)
+
+
+# ---- aspect-ratio buckets (encode) -------------------------------------------------------------
+
+_plans: dict[str, tuple] = {}
+
+
+def _plan(plan: dict) -> tuple:
+    """(BucketPlan, its sizes) of a plan's dict, built once per worker."""
+    key = json.dumps(plan, sort_keys=True)
+    if key not in _plans:
+        built = buckets.BucketPlan(**plan)
+        _plans[key] = (built, built.sizes())
+    return _plans[key]
+
+
+def _cover_side(dims: tuple[int, int] | None, plan, sizes: np.ndarray) -> int:
+    """The short side an image of header size `dims` is resized to when it covers its bucket
+    (either orientation, as EXIF may turn it): a reduced JPEG decode keeps at least that."""
+    if not dims or min(dims) < 1:
+        return int(sizes.max())
+    need = 1
+    for w, h in (dims, dims[::-1]):
+        bw, bh = sizes[int(plan.assign([w], [h])[0])].tolist()
+        need = max(need, int(np.ceil(min(w, h) * max(bw / w, bh / h))))
+    return need
+
+
+def decode_to_bucket(data: bytes, plan: dict) -> tuple[int, np.ndarray]:
+    """(bucket index into the plan's sizes, RGB uint8 [H, W, 3] of that bucket) of an image's
+    bytes: the decode rules above, the bucket nearest the decoded image's aspect ratio, resized
+    to cover it (INTER_AREA down, INTER_CUBIC up) and center-cropped (`buckets.cover_box`).
+    Raises Unusable with the drop reason."""
+    built, sizes = _plan(plan)
+    try:
+        fmt = sniff(data)
+        rgb = decode_rgb(data, _cover_side(header_size(data, fmt), built, sizes))
+        check_aspect(rgb)
+        h, w = rgb.shape[:2]
+        bucket = int(built.assign([w], [h])[0])
+        return bucket, cover(rgb, tuple(sizes[bucket].tolist()))
+    except cv2.error:
+        raise Unusable("decode_error") from None
+
+
+def decode_bucketed(
+    items: list[tuple[int, bytes]], size: int, *, plan: dict
+) -> tuple[list[int], list[tuple[int, np.ndarray]], dict[int, str]]:
+    """Decode worker task of a bucket plan (`BucketPlan.to_dict()`): (rows decoded, their
+    (bucket index, pixels [H, W, 3] of the bucket), reason per dropped row). `size` is unused
+    (the plan sets the shapes); whatever one image raises drops that image only."""
+    return per_image(items, lambda data: decode_to_bucket(data, plan))
+
+
+WORKER_TASKS["bucketed"] = decode_bucketed
+
+
+if __name__ == "__main__":
+    serve()

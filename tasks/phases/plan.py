@@ -1,0 +1,265 @@
+"""plan: what a phase will do, before anyone trains: per dataset requested vs available, the
+optimizer steps, the disk its latents use and an ETA.
+
+The steps are counted as the trainer counts them (`sdtrain.schedules.total_optimizer_steps`
+over the per-rank batches that remain after the validation hold-out), for the ranks
+`launch_training` would start here; the ETA divides the samples to train by the samples/s last
+measured on this data root for the same model (a run's summary), so it is "unknown" until one
+run has finished.
+
+Bucket occupancy: the buckets of the rows the mix would draw (each drawn row's bucket, from the
+encoded shards' keys files; a legacy shard is the one square of its latents), less the
+validation hold-out, each with its global batches per epoch by the bucketed sampler's rule
+(`sdtrain.bucket_batches`); buckets with fewer rows than one global batch are listed as left out
+(`small_bucket`). A set of one bucket that the phase does not flip keeps the plain sampler
+(every rank's share of one permutation), counted as before.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from catalog import Catalog, Phase
+from catalog.buckets import parse as bucket_sides
+from sdtrain.bucket_batches import (
+    SMALL_BUCKET,
+    batches_per_bucket,
+    small_buckets,
+    uses_bucketed_sampler,
+)
+from sdtrain.config import run_config_for_phase
+from sdtrain.schedules import total_optimizer_steps
+from tasks.phases import mix
+
+TOKEN_BYTES = 77 * 4  # int32 ids per sample
+
+
+def default_world_size() -> int:
+    """The ranks launch_training starts on this machine: every GPU, or 2 CPU ranks."""
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+def measured_samples_per_s(root: Path, model: str) -> tuple[float, str] | None:
+    """(samples/s, run) of the newest finished run of `model` under this data root."""
+    found = []
+    for summary in (root / "runs").glob("*/summary.json"):
+        config = summary.parent / "config.json"
+        if not config.is_file() or json.loads(config.read_text()).get("model") != model:
+            continue
+        rate = json.loads(summary.read_text()).get("samples_per_s") or 0.0
+        if rate > 0:
+            found.append((summary.stat().st_mtime, rate, summary.parent.name))
+    if not found:
+        return None
+    _, rate, run = max(found)
+    return rate, run
+
+
+def plan_phase(
+    root: Path, catalog: Catalog, phase: Phase, *, world_size: int | None = None
+) -> dict:
+    """The phase's plan; raises MixError as the mix would (a short dataset, nothing encoded)."""
+    world_size = world_size or default_world_size()
+    viewed = {e.dataset: mix.dataset_view(root, catalog, e.dataset) for e in phase.mix}
+    datasets = mix.draw_counts(phase, {d: v.num_rows for d, v in viewed.items()})
+    num_samples = sum(d["taken"] for d in datasets)
+    config = run_config_for_phase(phase, phase_dir="", run_dir="")
+    num_train = max(0, num_samples - config.num_val_samples)
+    resolution = catalog.model(phase.model).resolution
+    names, drawn, train, latent_bytes, sampled = drawn_buckets(
+        phase, viewed, datasets, config.num_val_samples, config.seed, f"{resolution}x{resolution}"
+    )
+    bucket_batch = config.batch_size * world_size  # one global batch of the sampler
+    per_bucket = batches_per_bucket(train, bucket_batch, world_size)
+    bucketed = uses_bucketed_sampler(
+        int(np.count_nonzero(drawn)),
+        flips=phase.flip_p > 0,
+        latent_draws=sampled and phase.sample_latents,
+        train_time_captions=phase.train_time_captions,
+    )
+    if bucketed:
+        batches_per_rank = int(per_bucket.sum())
+    else:  # the plain sampler: each rank's share of one permutation, in whole batches
+        batches_per_rank = num_train // world_size // config.batch_size
+    steps = total_optimizer_steps(
+        batches_per_rank,
+        epochs=config.epochs,
+        grad_accum=config.grad_accum,
+        max_steps=config.max_steps,
+    )
+    global_batch = config.batch_size * world_size * config.grad_accum
+    small = small_buckets(train, bucket_batch) & (train > 0) & bucketed
+    buckets = [
+        {
+            "bucket": name,
+            "rows": int(n),
+            "full_batches": int(n // bucket_batch),
+            "last_batch": int(n % bucket_batch) if b and n % bucket_batch >= world_size else 0,
+            "batches_per_rank": int(b),
+            "left_out": SMALL_BUCKET if left else None,
+        }
+        for name, n, b, left, all_rows in zip(
+            names, train.tolist(), per_bucket.tolist(), small.tolist(), drawn.tolist(), strict=True
+        )
+        if all_rows
+    ]
+    if not bucketed:  # the plain sampler cuts no batch per bucket
+        for b in buckets:
+            b["full_batches"] = b["last_batch"] = None
+            b["batches_per_rank"] = batches_per_rank
+    measured = measured_samples_per_s(root, phase.model)
+    samples_to_train = steps * global_batch
+    return {
+        "phase": phase.name,
+        "datasets": datasets,
+        "num_samples": num_samples,
+        "num_val_samples": min(config.num_val_samples, num_samples),
+        "world_size": world_size,
+        "global_batch": global_batch,
+        "epochs": config.epochs,
+        "steps": steps,
+        "bucketed_sampler": bool(bucketed),
+        "bucket_batch": bucket_batch,
+        "batches_per_rank": batches_per_rank,
+        "buckets": buckets,
+        "left_out": {
+            SMALL_BUCKET: {
+                "buckets": [b["bucket"] for b in buckets if b["left_out"]],
+                "samples": sum(b["rows"] for b in buckets if b["left_out"]),
+            }
+        },
+        "latents_gb": round(latent_bytes / 1e9, 3),
+        "tokens_gb": round(num_samples * TOKEN_BYTES / 1e9, 3),
+        "samples_per_s": measured[0] if measured else None,
+        "measured_on": measured[1] if measured else None,
+        "eta_s": round(samples_to_train / measured[0]) if measured else None,
+    }
+
+
+def drawn_buckets(
+    phase: Phase, viewed: dict, datasets: list[dict], num_val: int, seed: int, square: str
+) -> tuple[list[str], np.ndarray, np.ndarray, int, bool]:
+    """(bucket names sorted, rows drawn per bucket, training rows per bucket, latent bytes,
+    whether any drawn latent holds a log-variance) of
+    the rows the mix would draw: each dataset's seeded mask (`mix.draw`), its rows' buckets a
+    shard at a time, and the rows `split_rows` holds out for validation taken off by position
+    in the phase set (manifest order: datasets in mix order, each in its view's order).
+
+    A view planted as a plain table (tests) is one bucket, `square`, of 1 view x 4 channels.
+    """
+    from sdtrain.data import split_rows
+
+    num_samples = sum(d["taken"] for d in datasets)
+    if num_val >= num_samples:
+        val = np.arange(num_samples)  # nothing left to train on
+    else:
+        val = split_rows(num_samples, num_val, seed)[1]
+    code: dict[str, int] = {}
+    drawn: list[np.ndarray] = []  # per shard (or planted view), rows drawn per code
+    held: list[np.ndarray] = []
+    latent_bytes, offset, sampled = 0, 0, False
+    for d in datasets:
+        view = viewed[d["dataset"]]
+        mask = mix.draw(phase, d["dataset"], view.num_rows, d["taken"])
+        if isinstance(view, mix.EncodedView):
+            pieces = view.drawn_buckets(mask)
+            layouts = view.latent_layouts()
+        else:
+            pieces = iter([([square], np.zeros(d["taken"], np.int32))])
+            layouts = {square: (1, 4)}
+        for names, codes in pieces:
+            lookup = np.array([code.setdefault(n, len(code)) for n in names], np.int64)
+            rows = lookup[codes]
+            lo, hi = np.searchsorted(val, [offset, offset + len(rows)])
+            drawn.append(np.bincount(rows, minlength=len(code)))
+            held.append(np.bincount(rows[val[lo:hi] - offset], minlength=len(code)))
+            offset += len(rows)
+            for n, count in zip(
+                names, np.bincount(codes, minlength=len(names)).tolist(), strict=True
+            ):
+                views, channels = layouts[n]
+                width, height = bucket_sides(n)
+                sampled |= bool(count) and channels == 8
+                latent_bytes += count * views * channels * (width // 8) * (height // 8) * 2
+    order = sorted(code, key=_bucket_order)
+    total, kept = np.zeros(len(code), np.int64), np.zeros(len(code), np.int64)
+    for a, b in zip(drawn, held, strict=True):
+        total[: len(a)] += a
+        kept[: len(a)] += a - b
+    at = np.array([code[n] for n in order], np.int64)
+    return order, total[at], kept[at], latent_bytes, sampled
+
+
+def _bucket_order(name: str) -> tuple[float, str]:
+    """Buckets by aspect ratio (width / height), as a plan lists them."""
+    width, height = bucket_sides(name)
+    return width / height, name
+
+
+def format_plan(plan: dict) -> str:
+    lines = [
+        f"plan of {plan['phase']}",
+        f"{'dataset':<20}{'requested':>12}{'available':>12}{'taken':>12}",
+    ]
+    for d in plan["datasets"]:
+        mark = "  SHORT" if d["short"] else ""
+        lines.append(
+            f"{d['dataset']:<20}{d['requested']:>12}{d['available']:>12}{d['taken']:>12}{mark}"
+        )
+    eta = (
+        f"{_duration(plan['eta_s'])} at {plan['samples_per_s']:.1f} samples/s "
+        f"(measured by {plan['measured_on']})"
+        if plan["eta_s"] is not None
+        else "unknown (no finished run of this model on this data root yet)"
+    )
+    lines += [
+        f"samples: {plan['num_samples']} ({plan['num_val_samples']} held out for validation)",
+        f"steps: {plan['steps']} ({plan['epochs']} epochs, global batch {plan['global_batch']} "
+        f"on {plan['world_size']} ranks)",
+        *_format_buckets(plan),
+        f"disk: {plan['latents_gb']} GB of latents + {plan['tokens_gb']} GB of tokens "
+        "(in the sources' folders; the phase set links to them)",
+        f"ETA: {eta}",
+    ]
+    return "\n".join(lines)
+
+
+def _format_buckets(plan: dict) -> list[str]:
+    """The bucket occupancy table, and the buckets left out of the run."""
+    if not plan["buckets"]:
+        return ["buckets: none (nothing drawn)"]
+    if not plan["bucketed_sampler"]:
+        names = ", ".join(b["bucket"] for b in plan["buckets"])
+        return [
+            f"buckets: {names} (one bucket, no flips: {plan['batches_per_rank']} batches of "
+            f"{plan['bucket_batch'] // plan['world_size']} per rank per epoch)"
+        ]
+    lines = [
+        f"buckets (training rows; global batches of {plan['bucket_batch']} = "
+        f"{plan['bucket_batch'] // plan['world_size']} x {plan['world_size']} ranks):",
+        f"  {'bucket':<12}{'rows':>10}{'full':>8}{'last':>8}{'per rank/epoch':>16}",
+    ]
+    for b in plan["buckets"]:
+        mark = f"  left out: {b['left_out']}" if b["left_out"] else ""
+        lines.append(
+            f"  {b['bucket']:<12}{b['rows']:>10}{b['full_batches']:>8}{b['last_batch']:>8}"
+            f"{b['batches_per_rank']:>16}{mark}"
+        )
+    lines.append(f"  {'all':<12}{'':>10}{'':>8}{'':>8}{plan['batches_per_rank']:>16}")
+    small = plan["left_out"][SMALL_BUCKET]
+    if small["buckets"]:
+        lines.append(
+            f"left out ({SMALL_BUCKET}): {len(small['buckets'])} bucket(s), {small['samples']} "
+            f"samples, each under one global batch: {', '.join(small['buckets'])}"
+        )
+    return lines
+
+
+def _duration(seconds: float) -> str:
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours} h {rest // 60:02d} min" if hours else f"{rest // 60} min {rest % 60:02d} s"

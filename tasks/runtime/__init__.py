@@ -1,0 +1,1 @@
+"""Stage runtime: the shard contract (records, resumability), concurrency, loopback, pictures."""
