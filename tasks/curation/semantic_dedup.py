@@ -216,33 +216,6 @@ class SemanticIndex:
         cut = order[place >= cap[cluster]]
         visits[row[cut], visit[cut]] = -1
         return primary, visits
-        generator = torch.Generator().manual_seed(seed)
-        rng = np.random.default_rng(seed)
-        want = min(n, k * SAMPLE_PER_CLUSTER)
-        sample, have = [], 0
-        for i in rng.permutation(len(self.parts.readers)):  # whole parts, in random order
-            _, emb = self.parts.readers[i]()
-            sample.append(emb)
-            have += len(emb)
-            if have >= 2 * want:
-                break
-        sample = np.concatenate(sample)
-        sample = sample[rng.choice(len(sample), want, replace=False)]
-        centroids = kmeans(self._unit(sample), k, self.dtype, generator).to(self.dtype)
-        reach = math.sqrt(max(0.0, 2 - 2 * self.threshold))
-        for read in self.parts.readers:
-            rows, emb = read()
-            for start in range(0, len(rows), 16384):
-                x = self._unit(emb[start : start + 16384]).to(self.dtype)
-                sims, nearest = (x @ centroids.T).float().topk(1 + self.max_visits, dim=1)
-                # y's distance to the bisector: (|y-cA|^2 - |y-cB|^2) / 2|cA-cB|, unit rows.
-                apart = (centroids[nearest[:, 1:]] - centroids[nearest[:, :1]]).float()
-                to_bisector = (sims[:, :1] - sims[:, 1:]) / apart.norm(dim=2).clamp_min(1e-6)
-                within = to_bisector <= reach
-                chunk = rows[start : start + 16384]
-                primary[chunk] = nearest[:, 0].cpu().numpy()
-                visits[chunk] = torch.where(within, nearest[:, 1:], -1).cpu().numpy()
-        return primary, visits
 
     def losers(self, include: np.ndarray | None = None) -> np.ndarray:
         """Rows dropped by the survivor rule among `include` (default all), bool [N].
