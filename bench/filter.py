@@ -2,7 +2,7 @@
 
 Generates a LAION-like metadata parquet once (cached), as the metadata stage writes it: rows
 without a URL dropped by `tasks.sources.metadata.drop_missing_urls` (its cost is printed too), the
-file written by `tasks.sources.metadata.write_table`. Then times the filter stage as a flow runs it
+file written by `tasks.sources.table.write_table`. Then times the filter stage as a flow runs it
 (`tasks.curation.filter.filter_metadata`: rules, waterfall, dedup, gallery, sharded output) and the
 same decisions + output in pandas, on the same file in the same run, best of each. Prints one JSON
 object.
@@ -105,6 +105,7 @@ def cached_files(rows: int, cache_dir: Path) -> tuple[list[Path], dict]:
     """The metadata shards of `rows` LAION-like upstream rows (one file per FILE_ROWS, each its
     own seed: memory holds one), and what ingest dropped."""
     from tasks.sources import metadata
+    from tasks.sources import table as sample_table
 
     paths, record = [], {"missing_url": 0, "ingest_check_seconds": 0.0}
     for i, first in enumerate(range(0, rows, FILE_ROWS)):
@@ -120,7 +121,7 @@ def cached_files(rows: int, cache_dir: Path) -> tuple[list[Path], dict]:
             part = {"missing_url": removed, "ingest_check_seconds": time.perf_counter() - start}
             del raw
             tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            metadata.write_table(table, tmp)  # the stage's own writer: its codec, its row groups
+            sample_table.write_table(table, tmp)  # the stage's writer: its codec, its row groups
             os.replace(tmp, path)
             info.write_text(json.dumps(part))
         part = json.loads(info.read_text())

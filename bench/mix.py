@@ -101,9 +101,10 @@ def generate(root: Path, rows: int, shards: int, resolution: int, buckets: int =
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from sdtrain.atomic import write_json_atomic
     from tasks.curation import views
     from tasks.latents import latent_keys
-    from tasks.runtime.shards import ShardStats, stats_path, write_json_atomic
+    from tasks.runtime.shards import ShardStats, stats_path
 
     per_shard = rows_per_shard(rows, shards)
     width = len(str(per_shard))

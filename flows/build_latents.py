@@ -36,7 +36,7 @@ from tasks.latents import encode, hf_export, images, tokenize
 from tasks.runtime import concurrency, shards
 from tasks.runtime.shards import read_stats, summarize
 from tasks.sources import adapters, demo_source, fetch_images, metadata
-from tasks.sources.metadata import SourceError
+from tasks.sources.table import SourceError
 
 STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
 # Each stage bounds its own task runs (StageRun): the flow's pool only has to have a thread

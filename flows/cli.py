@@ -21,10 +21,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from flows.local import LocalServerError
     from sdtrain.checkpoint import CheckpointError
     from sdtrain.models import ModelLoadError
-    from sdtrain.sampling import WeightsNotFound
+    from sdtrain.weights import WeightsNotFound
     from tasks.curation.score import ScoringWeightsError
     from tasks.phases.mix import MixError
-    from tasks.sources.metadata import SourceError
+    from tasks.sources.table import SourceError
 
     return (
         CatalogError,
@@ -99,7 +99,8 @@ def _weights(args: argparse.Namespace) -> Path:
 def cmd_sample(args: argparse.Namespace) -> None:
     import torch
 
-    from sdtrain.sampling import generate, image_grid, load_networks
+    from sdtrain.sampling import generate, image_grid
+    from sdtrain.weights import load_networks
 
     device = None if args.device is None else torch.device(args.device)
     networks = load_networks(_weights(args), use_ema=not args.live, device=device)
@@ -120,7 +121,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     import torch
 
     from sdtrain.export import export_pipeline
-    from sdtrain.sampling import load_networks
+    from sdtrain.weights import load_networks
 
     networks = load_networks(_weights(args), use_ema=not args.live, device=torch.device("cpu"))
     folder, single_file = export_pipeline(networks, args.out, half=args.half)
@@ -332,7 +333,7 @@ def cmd_refetch(args: argparse.Namespace) -> int:
     catalog = load_catalog()
     src = catalog.source(args.source)
     if src.kind not in ("url", "demo"):
-        from tasks.sources.metadata import SourceError
+        from tasks.sources.table import SourceError
 
         raise SourceError(f"source {src.name!r} is of kind {src.kind!r}: only URL sources refetch")
     failed = fetch_images.failed_samples(root, src.name)

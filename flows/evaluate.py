@@ -24,7 +24,7 @@ from prefect.states import Failed
 from catalog import CatalogError, load_catalog
 from flows import pools
 from flows.stages import PROGRESS_EVERY_S
-from sdtrain.sampling import WeightsNotFound
+from sdtrain.weights import WeightsNotFound
 from tasks.curation.score import ScoringWeightsError
 from tasks.evaluation import eval_report, evaluate, fid
 from tasks.generation import generate as gen

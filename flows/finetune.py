@@ -28,7 +28,7 @@ from flows import pools, train_pictures
 from flows.curriculum import parse_step_line
 from flows.stages import artifact_key
 from sdtrain.models import ModelLoadError
-from sdtrain.sampling import WeightsNotFound
+from sdtrain.weights import WeightsNotFound
 from tasks.finetune import data as ft
 from tasks.generation.generate import GenerateError, GenerateFailed
 from tasks.phases.train import TrainingFailed
@@ -127,7 +127,7 @@ def export_task(run_dir: Path, spec: Finetune, run_name: str) -> dict:
     import torch
 
     from sdtrain.export import export_pipeline
-    from sdtrain.sampling import load_networks
+    from sdtrain.weights import load_networks
 
     networks = load_networks(run_dir, device=torch.device("cpu"))
     folder, single_file = export_pipeline(networks, run_dir / "export")

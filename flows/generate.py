@@ -26,7 +26,8 @@ from prefect.states import Failed
 
 from flows import pools
 from flows.stages import PROGRESS_EVERY_S, artifact_key
-from sdtrain.sampling import WeightsNotFound, image_grid
+from sdtrain.sampling import image_grid
+from sdtrain.weights import WeightsNotFound
 from tasks.generation import generate as gen
 from tasks.runtime import shards
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TextIO
 
 from flows.status import PER_SHARD, STAGES
-from tasks.runtime.shards import TMP_MARK
+from sdtrain.atomic import TMP_MARK
 
 POLL_S = 1.0
 PLAIN_EVERY_S = 30.0

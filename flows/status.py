@@ -22,7 +22,8 @@ import json
 from pathlib import Path
 
 from flows.names import DISPLAY
-from tasks.runtime.shards import TMP_MARK, read_stats, summarize
+from sdtrain.atomic import TMP_MARK
+from tasks.runtime.shards import read_stats, summarize
 
 # Stage folders in DAG order, and their dashboard names (the optional HF export is not a
 # stage of every build).

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from sdtrain.config import TrainConfig
-from tasks.runtime.shards import (
+from sdtrain.atomic import (
     TMP_MARK,
     atomic_path,
     clean_temporaries,
@@ -33,6 +32,7 @@ from tasks.runtime.shards import (
     replace_dir,
     write_json_atomic,
 )
+from sdtrain.config import TrainConfig
 
 # Wrappers that prefix parameter names: DDP, torch.compile, pipelines, FSDP.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "unet.", "_fsdp_wrapped_module.")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from catalog import Phase
-from tasks.runtime.shards import atomic_path
+from sdtrain.atomic import atomic_path
 
 DEFAULT_PROMPTS = (
     "a photograph of an astronaut riding a horse",

@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from sdtrain.sampling import Networks, ddim_scheduler
-from tasks.runtime.shards import TMP_MARK, atomic_path
+from sdtrain.atomic import TMP_MARK, atomic_path
+from sdtrain.sampling import ddim_scheduler
+from sdtrain.weights import Networks
 
 RESNET_TO_LDM = {
     "norm1": "in_layers.0",

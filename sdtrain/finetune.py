@@ -305,3 +305,10 @@ class InpaintMode(FinetuneMode):
 def finetune_mode(config: TrainConfig, model: Model, device: torch.device) -> FinetuneMode:
     modes = {"dreambooth": DreamBoothMode, "inpaint": InpaintMode}
     return modes[config.finetune.mode](config, model, device)
+
+
+def mode_for(config: TrainConfig, model: Model, device: torch.device):
+    """The mode of a run: a fine-tune's (its `finetune` settings), else a phase's."""
+    if config.finetune is None:
+        return PhaseMode(config, model, device)
+    return finetune_mode(config, model, device)

@@ -114,12 +114,3 @@ class PhaseMode:
                 prediction_type=config.prediction_type,
             )
         return image_grid(decode_images(vae, latents.float(), self.model.scaling_factor))
-
-
-def mode_for(config: TrainConfig, model: Model, device: torch.device):
-    """The mode of a run: a fine-tune's (its `finetune` settings), else a phase's."""
-    if config.finetune is None:
-        return PhaseMode(config, model, device)
-    from sdtrain.finetune import finetune_mode
-
-    return finetune_mode(config, model, device)

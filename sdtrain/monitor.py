@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from sdtrain.atomic import atomic_path
 from sdtrain.config import TrainConfig
-from tasks.runtime.shards import atomic_path
 
 
 class Monitor:

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
 from catalog import load_catalog
+from sdtrain.atomic import clean_temporaries, write_json_atomic
 from sdtrain.bucket_batches import SMALL_BUCKET
 from sdtrain.checkpoint import (
     CheckpointDir,
@@ -50,8 +51,8 @@ from sdtrain.data import (
     split_rows,
 )
 from sdtrain.ema import EMA
+from sdtrain.finetune import mode_for
 from sdtrain.models import build_text_encoder, build_vae
-from sdtrain.modes import mode_for
 from sdtrain.monitor import Monitor, read_log
 from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
 from sdtrain.runtime import (
@@ -66,7 +67,6 @@ from sdtrain.runtime import (
 )
 from sdtrain.sampling import encode_text
 from sdtrain.schedules import build_lr_schedule, total_optimizer_steps
-from tasks.runtime.shards import clean_temporaries, write_json_atomic
 
 
 class TrainingInterrupted(Exception):

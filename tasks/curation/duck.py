@@ -21,7 +21,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.runtime.shards import atomic_path, shard_name
+from sdtrain.atomic import atomic_path
+from tasks.runtime.shards import shard_name
 
 MEMORY_ENV, TEMP_ENV = "SDPIPE_DUCKDB_MEMORY", "SDPIPE_DUCKDB_TEMP"
 # Spill space per uncompressed input byte: the passing rows as a table, and the key-ordered

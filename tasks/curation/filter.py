@@ -24,10 +24,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import CatalogError, FilterProfile
+from sdtrain.atomic import atomic_path
 from tasks.curation import dedup, duck, waterfall
 from tasks.curation.duck import connect, to_arrow
 from tasks.curation.waterfall import MAX_SAMPLES, Waterfall
-from tasks.runtime.shards import ShardStats, atomic_path, run_shard, stats_path
+from tasks.runtime.shards import ShardStats, run_shard, stats_path
 
 ALL = "all"  # the shard name of a stage that runs as one unit over the whole source
 Stage = Literal["metadata", "pixels"]

@@ -27,8 +27,9 @@ from PIL import Image
 from torch import nn
 
 from catalog.schema import ScoringModel
+from sdtrain.atomic import atomic_path
 from sdtrain.lazy import BUILD_LOCK
-from tasks.runtime.shards import ShardStats, atomic_path, run_shard
+from tasks.runtime.shards import ShardStats, run_shard
 
 STAGE = "scores"
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")

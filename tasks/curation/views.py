@@ -19,8 +19,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import Catalog
+from sdtrain.atomic import atomic_path
 from tasks.curation import filter as filter_stage
-from tasks.runtime.shards import ShardStats, atomic_path, run_shard, stats_path
+from tasks.runtime.shards import ShardStats, run_shard, stats_path
 
 STAGE = "views"
 # The key file's layout, part of the fingerprint: views written before it held (shard, key)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from sdtrain.atomic import atomic_path
 from tasks.runtime import pictures
-from tasks.runtime.shards import atomic_path
 
 MAX_SAMPLES = 16  # rejected samples shown per reason
 # The dashboard artifact's size: Prefect stores it in its database and the UI loads it whole.

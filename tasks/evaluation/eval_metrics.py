@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from sdtrain.atomic import atomic_path
 from tasks.curation.score import Scorer, read_images
-from tasks.runtime.shards import atomic_path
 
 EMBEDDINGS = "embeddings"
 

@@ -21,14 +21,15 @@ import torch
 from PIL import Image
 
 from catalog import Catalog, EvalSet, load_catalog
+from sdtrain.atomic import atomic_path, write_json_atomic
 from sdtrain.checkpoint import CheckpointDir, KeepPolicy
 from sdtrain.config import TrainConfig
 from sdtrain.data import PhaseSet, split_rows
-from sdtrain.sampling import WeightsNotFound, load_networks, pick_device, resolve_weights
+from sdtrain.sampling import pick_device
+from sdtrain.weights import WeightsNotFound, load_networks, resolve_weights
 from tasks.curation.score import IMAGE_EXTENSIONS, load_scorer
 from tasks.evaluation import eval_metrics, fid
 from tasks.generation import generate as gen
-from tasks.runtime.shards import atomic_path, write_json_atomic
 
 IMAGES, SCORES, SUMMARY, FEATURES = "images", "images.parquet", "summary.json", "inception.npy"
 CHOICE = "choice.json"

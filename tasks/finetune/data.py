@@ -29,11 +29,11 @@ import pyarrow.parquet as pq
 import torch
 
 from catalog import Finetune, load_catalog
+from sdtrain.atomic import TMP_MARK, replace_dir, write_json_atomic
 from sdtrain.config import FinetuneSettings, TrainConfig
 from sdtrain.models import build_tokenizer, tokenize
-from sdtrain.sampling import WeightsNotFound, is_diffusers_folder, resolve_weights
+from sdtrain.weights import WeightsNotFound, is_diffusers_folder, resolve_weights
 from tasks.latents import images
-from tasks.runtime.shards import TMP_MARK, replace_dir, write_json_atomic
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 DATA = "data"

@@ -31,16 +31,10 @@ import torch
 from PIL import PngImagePlugin
 
 from catalog import load_catalog
+from sdtrain.atomic import atomic_path, clean_temporaries
 from sdtrain.config import TrainConfig
-from sdtrain.sampling import (
-    WeightsNotFound,
-    generate,
-    is_diffusers_folder,
-    load_networks,
-    pick_device,
-    resolve_weights,
-)
-from tasks.runtime.shards import atomic_path, clean_temporaries
+from sdtrain.sampling import generate, pick_device
+from sdtrain.weights import WeightsNotFound, is_diffusers_folder, load_networks, resolve_weights
 
 INDEX = "index.parquet"
 PARTS = ".parts"  # per-chunk records: which device made which files, and how fast

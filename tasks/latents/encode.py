@@ -44,18 +44,11 @@ import torch
 
 from catalog import Catalog, Model, needs_flips
 from catalog.buckets import BucketPlan
+from sdtrain.atomic import atomic_path, write_json_atomic
 from sdtrain.lazy import BUILD_LOCK
 from sdtrain.models import build_vae
 from tasks.latents import images, latent_keys
-from tasks.runtime.shards import (
-    ShardStats,
-    atomic_path,
-    done_record,
-    read_stats,
-    run_shard,
-    stats_path,
-    write_json_atomic,
-)
+from tasks.runtime.shards import ShardStats, done_record, read_stats, run_shard, stats_path
 
 STAGE = "latents"
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")

@@ -31,10 +31,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdtrain.atomic import TMP_MARK, clean_temporaries
 from sdtrain.lazy import BUILD_LOCK
 from tasks.latents.tokenize import STAGE as TOKENS
 from tasks.latents.tokenize import clean_caption
-from tasks.runtime.shards import TMP_MARK, ShardStats, clean_temporaries, run_shard, stage_dir
+from tasks.runtime.shards import ShardStats, run_shard, stage_dir
 
 STAGE = "hf"
 SPLITS = ("train", "validation")

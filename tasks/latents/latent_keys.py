@@ -29,7 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tasks.runtime.shards import ShardStats, atomic_path, stats_path
+from sdtrain.atomic import atomic_path
+from tasks.runtime.shards import ShardStats, stats_path
 
 STAGE = "latents"
 SUFFIX = ".keys.arrow"

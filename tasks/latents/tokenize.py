@@ -25,8 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from sdtrain.atomic import atomic_path
 from sdtrain.models import MAX_TOKENS, encode_captions
-from tasks.runtime.shards import ShardStats, atomic_path, run_shard
+from tasks.runtime.shards import ShardStats, run_shard
 
 STAGE = "tokens"
 EMPTY = "empty_caption"

@@ -41,9 +41,9 @@ import pyarrow.parquet as pq
 
 from catalog import Catalog, Phase
 from sdtrain import captions, layout
+from sdtrain.atomic import TMP_MARK, clean_temporaries, replace_dir
 from tasks.curation import views
 from tasks.latents import latent_keys
-from tasks.runtime.shards import TMP_MARK, clean_temporaries, replace_dir
 
 RECORD = ".stats.json"
 BATCH_ROWS = 1 << 20  # drawn rows per manifest row group (and per write handed to its thread)

@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
+from sdtrain.atomic import atomic_path
 from tasks.runtime.net import free_port
-from tasks.runtime.shards import atomic_path
 
 SKIES = {"blue": (90, 150, 230), "orange sunset": (240, 140, 60), "dark night": (20, 20, 50)}
 GROUNDS = {

@@ -39,16 +39,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from sdtrain.atomic import atomic_path
 from tasks.latents import images
 from tasks.runtime import concurrency
-from tasks.runtime.shards import (
-    ShardStats,
-    atomic_path,
-    bump_generation,
-    run_shard,
-    stats_path,
-    write_record,
-)
+from tasks.runtime.shards import ShardStats, bump_generation, run_shard, stats_path, write_record
 
 STAGE = "shards"
 KEY_COLUMN = "sdpipe_key"

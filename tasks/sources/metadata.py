@@ -22,8 +22,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from catalog import Source
-from tasks.runtime.shards import ShardStats, atomic_path, run_shard, shard_name
+from sdtrain.atomic import atomic_path
+from tasks.runtime.shards import ShardStats, run_shard, shard_name
 from tasks.sources import demo_source
+from tasks.sources.table import SourceError, write_table
 
 STAGE = "metadata"
 # Normalized column -> upstream spellings, first match wins.
@@ -40,10 +42,6 @@ COLUMNS = {
 }
 REQUIRED = ("url", "caption")
 FLOAT_COLUMNS = ("width", "height", "similarity", "punsafe", "pwatermark", "aesthetic")
-
-
-class SourceError(Exception):
-    """A source's location cannot be read, or its data lacks what the stage needs."""
 
 
 def list_metadata_files(root: Path, source: Source) -> list[str]:
@@ -116,13 +114,6 @@ def normalize(table: pa.Table, source: str, shard: str, origin: str) -> pa.Table
     out = {"key": keys, "source": pa.array([source] * n, pa.string())}
     out.update(columns)
     return pa.table(out)
-
-
-def write_table(table: pa.Table, path: Path) -> None:
-    """A metadata shard as every stage reads it. LZ4 (parquet's LZ4_RAW), not pyarrow's default
-    Snappy: the same size and write time, and the filter, which decompresses every page of it,
-    measured 10-12% less CPU on 10M rows (docs/benchmarks.md)."""
-    pq.write_table(table, path, compression="lz4")
 
 
 def drop_missing_urls(table: pa.Table) -> tuple[pa.Table, int]:

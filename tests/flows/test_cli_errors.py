@@ -97,8 +97,9 @@ def test_an_edited_build_profile_fails_before_any_work(tmp_path):
     from dataclasses import asdict
 
     from catalog import load_catalog
+    from sdtrain.atomic import write_json_atomic
     from tasks.curation import filter as filter_stage
-    from tasks.runtime.shards import ShardStats, stats_path, write_json_atomic
+    from tasks.runtime.shards import ShardStats, stats_path
 
     profile = load_catalog().profile("demo")
     record = ShardStats(stage="filtered", source="demo", shard="all")

@@ -20,7 +20,8 @@ from flows import cli
 from sdtrain import lora
 from sdtrain.models import build_text_encoder
 from sdtrain.monitor import read_log
-from sdtrain.sampling import generate, initial_noise, load_networks
+from sdtrain.sampling import generate, initial_noise
+from sdtrain.weights import load_networks
 from tests.tasks import bad_images as bad
 from tests.tasks.tiny_weights import RUN_NEGATIVE, write_tiny_weights
 

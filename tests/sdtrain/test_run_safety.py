@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from sdtrain import modes
 from sdtrain import train as train_module
+from sdtrain.atomic import replace_dir
 from sdtrain.checkpoint import (
     CHECKSUMS,
     CheckpointDir,
@@ -27,7 +28,6 @@ from sdtrain.checkpoint import (
 )
 from sdtrain.monitor import read_log
 from sdtrain.train import TrainingDiverged, TrainingInterrupted, train
-from tasks.runtime.shards import replace_dir
 
 from .conftest import sigterm_at_draw
 

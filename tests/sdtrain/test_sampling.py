@@ -26,10 +26,10 @@ from sdtrain.sampling import (
     generate,
     image_grid,
     initial_noise,
-    load_networks,
     sample_latents,
 )
 from sdtrain.train import validation_loss
+from sdtrain.weights import load_networks
 
 CPU = torch.device("cpu")
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from flows import train_pictures
 from flows.curriculum import parse_step_line
 from sdtrain import layout
+from sdtrain.atomic import TMP_MARK
 from sdtrain.checkpoint import read_ema_step
 from sdtrain.config import TrainConfig
 from sdtrain.data import PhaseSet
@@ -29,7 +30,6 @@ from sdtrain.schedules import ema_decay
 from sdtrain.train import train
 from tasks.phases.train import TrainingFailed, launch_training
 from tasks.runtime.net import free_port
-from tasks.runtime.shards import TMP_MARK
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 NUM_ROWS_PER_SHARD = 16

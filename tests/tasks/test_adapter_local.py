@@ -15,7 +15,8 @@ from catalog import FilterProfile, Source
 from sdtrain.models import tokenize
 from tasks.latents import tokenize as tokens
 from tasks.sources.adapters import SourceLayoutError, adapter_for, index_source, repack_shard
-from tasks.sources.metadata import SourceError, check_source
+from tasks.sources.metadata import check_source
+from tasks.sources.table import SourceError
 from tests.tasks import bad_images as bad
 from tests.tasks.fixtures_archives import members, read_dir
 

@@ -8,7 +8,8 @@ from dataclasses import asdict
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.runtime.shards import ShardStats, stats_path, write_json_atomic
+from sdtrain.atomic import write_json_atomic
+from tasks.runtime.shards import ShardStats, stats_path
 from tasks.sources.adapters import base
 
 

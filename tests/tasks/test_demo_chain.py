@@ -23,10 +23,11 @@ from PIL import Image
 
 from catalog import buckets, load_catalog
 from catalog.loader import PACKAGED_DIR
+from sdtrain.atomic import TMP_MARK
 from tasks.curation import filter as filter_stage
 from tasks.curation import score
 from tasks.latents import encode, latent_keys, tokenize
-from tasks.runtime.shards import TMP_MARK, read_stats, summarize
+from tasks.runtime.shards import read_stats, summarize
 from tasks.sources import demo_source, fetch_images, metadata
 
 STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")

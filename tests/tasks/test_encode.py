@@ -28,11 +28,12 @@ from PIL import Image, ImageOps
 
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
+from sdtrain.atomic import TMP_MARK
 from sdtrain.models import build_vae
 from tasks.latents import encode, images, latent_keys
-from tasks.runtime.shards import TMP_MARK, ShardStats, failure_path
+from tasks.runtime.shards import ShardStats, failure_path
 from tasks.sources import metadata
-from tasks.sources.metadata import SourceError
+from tasks.sources.table import SourceError
 
 SOURCE = "src"
 SHARD = "00000"

@@ -25,9 +25,10 @@ from PIL import Image
 from catalog import CatalogError, load_catalog, needs_flips
 from catalog.buckets import BucketPlan
 from catalog.loader import PACKAGED_DIR
+from sdtrain.atomic import TMP_MARK
 from sdtrain.models import build_vae
 from tasks.latents import encode, images, latent_keys
-from tasks.runtime.shards import TMP_MARK, ShardStats
+from tasks.runtime.shards import ShardStats
 from tests.tasks.test_encode import SOURCE, texture, write_shard
 from tests.tasks.test_encode import assert_close_to_reference as assert_close
 

@@ -22,8 +22,9 @@ from catalog import load_catalog
 from sdtrain.config import TrainConfig
 from sdtrain.data import PhaseSet, split_rows
 from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
-from sdtrain.sampling import encode_text, load_networks
+from sdtrain.sampling import encode_text
 from sdtrain.validation import BANDS, row_losses
+from sdtrain.weights import load_networks
 from tasks.curation.score import load_scorer
 from tasks.evaluation import eval_metrics, eval_report, evaluate, fid
 from tests.tasks import eval_data

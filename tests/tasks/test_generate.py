@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from flows import cli
-from sdtrain.sampling import generate, load_networks
+from sdtrain.sampling import generate
+from sdtrain.weights import load_networks
 from tasks.generation import generate as gen
 from tasks.generation.generate import GenerateError, Prompt, Settings, generate_images
 from tests.tasks.tiny_weights import RUN_NEGATIVE, write_tiny_weights

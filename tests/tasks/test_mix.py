@@ -17,11 +17,12 @@ import torch
 from catalog import Catalog, Dataset, FilterProfile, MixEntry, Model, Phase, Source
 from flows.cli import main
 from sdtrain import layout
+from sdtrain.atomic import write_json_atomic
 from sdtrain.data import PhaseSet
 from tasks.curation import views as views_stage
 from tasks.latents import latent_keys
 from tasks.phases import mix, plan
-from tasks.runtime.shards import ShardStats, read_stats, stats_path, write_json_atomic
+from tasks.runtime.shards import ShardStats, read_stats, stats_path
 
 SIZES = {"a": 50, "b": 200, "c": 200}
 

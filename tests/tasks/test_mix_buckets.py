@@ -16,12 +16,13 @@ import pytest
 
 from catalog import MixEntry
 from sdtrain import layout
+from sdtrain.atomic import write_json_atomic
 from sdtrain.bucket_batches import batches_per_bucket, bucketed_batches, small_buckets
 from sdtrain.data import split_rows
 from tasks.curation import views as views_stage
 from tasks.latents import latent_keys
 from tasks.phases import mix, plan
-from tasks.runtime.shards import ShardStats, stats_path, write_json_atomic
+from tasks.runtime.shards import ShardStats, stats_path
 from tests.tasks.test_mix import catalog, encoded_source, phase, planted_view
 
 SPEC = {"vae": "tiny-vae", "plan": {"area": 256, "step": 8}, "views": 1, "channels": 4}

@@ -9,8 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import FilterProfile
+from sdtrain.atomic import atomic_path
 from tasks.curation import filter as filter_stage
-from tasks.runtime.shards import ShardStats, atomic_path, is_done, run_shard, stats_path
+from tasks.runtime.shards import ShardStats, is_done, run_shard, stats_path
 from tests.tasks.metadata_rows import row, write_metadata
 
 

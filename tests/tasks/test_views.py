@@ -10,11 +10,12 @@ from dataclasses import asdict
 import pyarrow.parquet as pq
 
 from catalog import Catalog, Dataset, FilterProfile, Source
+from sdtrain.atomic import write_json_atomic
 from tasks.curation import filter as filter_stage
 from tasks.curation import views
 from tasks.curation.waterfall import Waterfall
 from tasks.phases import mix
-from tasks.runtime.shards import ShardStats, stats_path, write_json_atomic
+from tasks.runtime.shards import ShardStats, stats_path
 
 BROAD = FilterProfile(name="broad", min_aesthetic=5.0, min_side=256, dedup=("sha256",))
 HQ = FilterProfile(name="hq", min_aesthetic=6.0, max_pwatermark=0.2, min_side=256, dedup=())

@@ -38,10 +38,11 @@ import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
 from catalog import FilterProfile, Source
+from sdtrain.atomic import atomic_path
 from tasks.latents import images
 from tasks.latents.tokenize import clean_caption
-from tasks.runtime.shards import ShardStats, atomic_path, run_shard, shard_name, stats_path
-from tasks.sources.metadata import SourceError, write_table
+from tasks.runtime.shards import ShardStats, run_shard, shard_name, stats_path
+from tasks.sources.table import SourceError, write_table
 
 ALL = "all"
 SEP = "::"
