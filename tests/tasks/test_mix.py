@@ -21,7 +21,7 @@ from sdtrain.atomic import write_json_atomic
 from sdtrain.data import PhaseSet
 from tasks.curation import views as views_stage
 from tasks.latents import latent_keys
-from tasks.phases import mix, plan
+from tasks.phases import mix, mix_read, plan
 from tasks.runtime.shards import ShardStats, read_stats, stats_path
 
 SIZES = {"a": 50, "b": 200, "c": 200}
@@ -240,7 +240,7 @@ def encoded_root(tmp_path, monkeypatch):
         return iter([view.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
 
     monkeypatch.setattr(views_stage, "view_key_groups", row_groups)
-    monkeypatch.setattr(mix, "BATCH_ROWS", 16)  # many row groups of drawn rows
+    monkeypatch.setattr(mix_read, "BATCH_ROWS", 16)  # many row groups of drawn rows
     return tmp_path, planted
 
 

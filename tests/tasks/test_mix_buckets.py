@@ -21,7 +21,7 @@ from sdtrain.bucket_batches import batches_per_bucket, bucketed_batches, small_b
 from sdtrain.data import split_rows
 from tasks.curation import views as views_stage
 from tasks.latents import latent_keys
-from tasks.phases import mix, plan
+from tasks.phases import mix, mix_read, plan
 from tasks.runtime.shards import ShardStats, stats_path
 from tests.tasks.test_mix import catalog, encoded_source, phase, planted_view
 
@@ -101,7 +101,7 @@ def bucketed_root(tmp_path, monkeypatch):
     )
     keys_b = encoded_source(tmp_path, "b", {"00000": 20, "00001": 15})
     plant_views(monkeypatch, {"a": planted_view(keys_a, 0.8, 1), "b": planted_view(keys_b, 0.7, 2)})
-    monkeypatch.setattr(mix, "BATCH_ROWS", 8)  # many row groups of drawn rows
+    monkeypatch.setattr(mix_read, "BATCH_ROWS", 8)  # many row groups of drawn rows
     return tmp_path
 
 
