@@ -1,0 +1,520 @@
+"""The decode-and-batch pipeline of encode: I/O thread -> feeder thread -> decode processes ->
+pinned ring -> side-stream copy -> VAE, so the VAE never waits for data.
+
+Batches never span shards (nor buckets) and always have `batch_size` rows (holes zeroed), so a
+shard's latents are the same bits whatever was encoded before it. Decode pools and CPU lanes are
+kept per size for every later shard."""
+
+from __future__ import annotations
+
+import atexit
+import io
+import math
+import queue
+import tarfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from sdtrain.lazy import BUILD_LOCK
+from tasks.latents import images
+from tasks.latents.encode_spec import LatentSpec, forget_other_spec
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
+DECODE_AHEAD = 128  # images handed to the decoders before the VAE asks for them
+DRAIN_AFTER_S = 0.1  # no batch came this long: finish those in flight (see Pipeline.results)
+
+
+_lock = BUILD_LOCK  # shared with every lazy builder: see sdtrain/lazy.py
+_pools: dict[int, images.DecodePool] = {}
+_lanes: dict[int, ThreadPoolExecutor] = {}
+
+
+def _decode_pool(num_workers: int) -> images.DecodePool:
+    """Decode processes, one pool per size and process, kept for every later shard."""
+    with _lock:
+        if num_workers not in _pools:
+            _pools[num_workers] = images.DecodePool(num_workers)
+        return _pools[num_workers]
+
+
+def cpu_lanes(num_lanes: int) -> ThreadPoolExecutor:
+    """CPU encode lanes: `num_lanes` single-threaded encoders side by side, one per core.
+
+    Not one encode over all cores: its threads meet at a barrier after every op, so a decode
+    process that preempts one of them stalls them all, while it slows only one lane.
+    """
+    with _lock:
+        if num_lanes not in _lanes:
+            started = threading.Barrier(num_lanes + 1)
+            default = torch.get_num_threads()
+            lanes = ThreadPoolExecutor(
+                num_lanes,
+                thread_name_prefix="encode-lane",
+                initializer=_single_threaded,
+                initargs=(started,),
+            )
+            for _ in range(num_lanes):
+                lanes.submit(int)  # starts a thread per lane: each waits at the barrier
+            started.wait()
+            # set_num_threads is per thread, but also sets the default of threads to come.
+            torch.set_num_threads(default)
+            _lanes[num_lanes] = lanes
+        return _lanes[num_lanes]
+
+
+def _single_threaded(started: threading.Barrier) -> None:
+    torch.get_num_threads()  # torch's per-thread setup first, or it would undo the next line
+    torch.set_num_threads(1)
+    started.wait()
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    with _lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.close()
+
+
+def in_inference_mode(fn):
+    """`fn` in inference mode, which is per thread: for the lanes."""
+
+    def run(*args):
+        with torch.inference_mode():
+            return fn(*args)
+
+    return run
+
+
+def extract_images(tar_bytes: bytes, keys: set[str]) -> dict[str, bytes]:
+    """The image bytes of `keys` from a webdataset tar held in memory."""
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+        for member in tar:
+            key, _, ext = member.name.partition(".")
+            if key in keys and ext.lower() in IMAGE_EXTENSIONS and member.isfile():
+                out[key] = tar.extractfile(member).read()
+    return out
+
+
+_END = object()  # a producer thread is finished
+_SHARD_END = object()  # the feeder handed out a (bucketed) shard's last batch
+
+
+@dataclass(slots=True)
+class _ShardInput:
+    shard: str
+    token_keys: list[str]
+    tar_bytes: bytes
+    error: Exception | None = None  # its inputs could not be read: this shard fails, alone
+    skip: bool = False  # done already
+    sha256: list[str] | None = None  # per token key (bucketed layout), "" when unknown
+
+
+@dataclass(slots=True)
+class _ShardJob:
+    """A shard's images found in its tar, in token order; its batches follow it."""
+
+    shard: str
+    num_in: int
+    keys: list[str]
+    token_rows: list[int]
+    num_batches: int  # bucketed: -1 until the feeder has handed out its last batch
+    error: Exception | None = None
+    skip: bool = False
+    started: float = 0.0  # when its images began to be handed out (its record's seconds)
+    sha256: list[str] | None = None  # per key (bucketed layout)
+    dropped: dict[int, str] = field(default_factory=dict)  # bucketed: filled by the feeder
+
+
+@dataclass(slots=True)
+class _Batch:
+    job: _ShardJob
+    start: int  # index of its first image in job.keys (legacy)
+    size: int
+    futures: list[Future]
+    # The bucketed layout: its bucket (index into the plan's sizes), its images' indices in
+    # job.keys and their pixels [H, W, 3] of that bucket, decoded already.
+    bucket: int = -1
+    rows: np.ndarray | None = None
+    pixels: list[np.ndarray] | None = None
+
+
+@dataclass(slots=True)
+class Encoded:
+    job: _ShardJob
+    latents: np.ndarray | None  # legacy: fp16 [len(job.keys), 4, h, w]; dropped rows are junk
+    dropped: dict[int, str] = field(default_factory=dict)  # index in job.keys -> reason
+    num_batches_done: int = 0
+    data_wait_s: float = 0.0
+    # The bucketed layout: bucket -> its batches' (indices in job.keys, fp16 [n, V, C, h, w]).
+    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.num_batches_done == self.job.num_batches
+
+
+class _Ring:
+    """Host batches the decoders' pixels are gathered in, and their encode.
+
+    On a GPU they are pinned and each is copied on a side stream, overlapping the encode of the
+    batch before it; a slot is refilled once its copy has finished. On CPU `lanes` batches are
+    encoded at once, one per core (`cpu_lanes`). A slot holds `batch_size` images of up to
+    `max_pixels` pixels (the plan's largest bucket), viewed per batch as [B, H, W, 3].
+    """
+
+    def __init__(
+        self,
+        encode,
+        device: torch.device,
+        batch_size: int,
+        max_pixels: int,
+        out_per_pixel: float,
+    ):
+        self.encode_fn, self.device = encode, device
+        cuda = device.type == "cuda"
+        num_lanes = torch.get_num_threads()
+        self.lanes = None if cuda else cpu_lanes(num_lanes)
+        self.depth = 1 if cuda else num_lanes  # batches encoding at once
+        num_slots = self.depth + 2  # + one filling + one spare
+        self.host = [
+            torch.empty(batch_size * max_pixels * 3, dtype=torch.uint8, pin_memory=cuda)
+            for _ in range(num_slots)
+        ]
+        self.views: list[torch.Tensor | None] = [None] * num_slots
+        out_size = math.ceil(batch_size * max_pixels * out_per_pixel)
+        self.out = [
+            torch.empty(out_size, dtype=torch.float16, pin_memory=True)
+            for _ in range(num_slots if cuda else 0)
+        ]
+        self.copied: list[torch.cuda.Event | None] = [None] * num_slots
+        self.copy_stream = torch.cuda.Stream(device) if cuda else None
+
+    def __len__(self) -> int:
+        return len(self.host)
+
+    def slot(self, i: int, shape: tuple[int, int, int, int]) -> np.ndarray:
+        """Slot i, free to fill, as a batch of `shape` [B, H, W, 3]."""
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()
+        self.views[i] = self.host[i][: math.prod(shape)].view(shape)
+        return self.views[i].numpy()
+
+    def submit(self, i: int):
+        """Start encoding slot i; returns what `result` needs."""
+        if self.lanes is not None:
+            return self.lanes.submit(in_inference_mode(self.encode_fn), self.views[i])
+        with torch.cuda.device(self.device), torch.inference_mode():
+            compute = torch.cuda.current_stream()
+            with torch.cuda.stream(self.copy_stream):
+                x = self.views[i].to(self.device, non_blocking=True)
+            self.copied[i] = self.copy_stream.record_event()
+            compute.wait_event(self.copied[i])
+            x.record_stream(compute)  # x was allocated on the copy stream, used on this one
+            z = self.encode_fn(x)
+            out = self.out[i][: z.numel()].view(z.shape)
+            out.copy_(z, non_blocking=True)
+            return out, compute.record_event()
+
+    def result(self, handle) -> np.ndarray:
+        if self.lanes is not None:
+            return handle.result().numpy()
+        out, done = handle
+        done.synchronize()
+        return out.numpy()
+
+
+class Pipeline:
+    """The encode of shards as they come: `results()` yields each shard's latents, in order.
+
+    `shards` may be an iterator that blocks until the next shard is given (a device worker of
+    build-latents, flows/devices.py): the I/O thread waits on it while the VAE works.
+    """
+
+    def __init__(
+        self, root, source, shards, model, *, batch_size, device, num_workers, spec, make_encoder
+    ):
+        self.root, self.source, self.shards, self.model = root, source, shards, model
+        self.spec: LatentSpec = spec
+        self.bucketed = not spec.legacy
+        self.batch_size, self.size = batch_size, model.resolution
+        self.sizes = spec.plan.sizes()  # [K, 2] (width, height)
+        self.plan = spec.plan.to_dict()
+        self.pool = _decode_pool(num_workers)
+        self.num_workers = num_workers
+        self.chunk = math.ceil(batch_size / num_workers)  # images per decode task
+        if self.bucketed:
+            max_pixels = int((self.sizes[:, 0] * self.sizes[:, 1]).max())
+            out_per_pixel = spec.views * spec.channels / 64
+        else:
+            max_pixels, out_per_pixel = self.size * self.size, 4 / 64
+        self.ring = _Ring(
+            make_encoder(),
+            device,
+            batch_size,
+            max_pixels,
+            out_per_pixel,
+        )
+        self.inputs: queue.Queue = queue.Queue(maxsize=1)
+        ahead = max(2, DECODE_AHEAD // batch_size)  # batches; shard headers ride along
+        self.batches: queue.Queue = queue.Queue(maxsize=ahead)
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.ended = False
+        self.threads = [
+            threading.Thread(target=self._prefetch, name="encode-prefetch", daemon=True),
+            threading.Thread(target=self._feed, name="encode-feed", daemon=True),
+        ]
+
+    def __enter__(self) -> Pipeline:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # Stop the producers: each one drains its input until the END of the one before it,
+        # so none stays blocked on a full queue.
+        self.stop.set()
+        while not self.ended:
+            item = self.batches.get()
+            self.ended = item is _END
+            if isinstance(item, _Batch):
+                for f in item.futures:
+                    f.cancel()
+        for t in self.threads:
+            t.join()
+
+    def _prefetch(self) -> None:
+        """I/O thread: the next shard's token keys and whole tar, read while this one encodes."""
+        try:
+            for shard in self.shards:
+                if self.stop.is_set():
+                    break
+                if forget_other_spec(self.root, self.source, shard, self.spec):
+                    self.inputs.put(_ShardInput(shard, [], b"", skip=True))
+                    continue
+                try:
+                    tokens = self.root / self.source / "tokens" / f"{shard}.parquet"
+                    keys = pq.read_table(tokens, columns=["key"])["key"].to_pylist()
+                    tar = self.root / self.source / "shards" / f"{shard}.tar"
+                    item = _ShardInput(shard, keys, tar.read_bytes())
+                    if self.bucketed:
+                        item.sha256 = _sample_digests(self.root, self.source, shard, keys)
+                except Exception as e:  # this shard's inputs: its failure, not the others'
+                    item = _ShardInput(shard, [], b"", error=e)
+                self.inputs.put(item)
+        except BaseException as e:
+            self.errors.append(e)
+        finally:
+            self.inputs.put(_END)
+
+    def _feed(self) -> None:
+        """Feeder thread: extract a shard's images and hand its batches to the decoders."""
+        try:
+            while (item := self.inputs.get()) is not _END:
+                if not self.stop.is_set():
+                    self._dispatch(item)
+        except BaseException as e:
+            self.errors.append(e)
+            while self.inputs.get() is not _END:
+                pass
+        finally:
+            self.batches.put(_END)
+
+    def _dispatch(self, item: _ShardInput) -> None:
+        started = time.perf_counter()
+        data, error = {}, item.error
+        if error is None and not item.skip:
+            try:
+                data = extract_images(item.tar_bytes, set(item.token_keys))
+            except Exception as e:  # a broken tar fails its shard only
+                error = e
+        if error is not None or item.skip:
+            job = _ShardJob(item.shard, 0, [], [], 0, error, item.skip, started)
+            self.batches.put(job)
+            return
+        present = [(row, key) for row, key in enumerate(item.token_keys) if key in data]
+        job = _ShardJob(
+            shard=item.shard,
+            num_in=len(item.token_keys),
+            keys=[key for _, key in present],
+            token_rows=[row for row, _ in present],
+            num_batches=-1 if self.bucketed else math.ceil(len(present) / self.batch_size),
+            started=started,
+        )
+        if self.bucketed:
+            job.sha256 = [item.sha256[row] for row, _ in present]
+            self._dispatch_bucketed(job, data)
+            return
+        self.batches.put(job)
+        for start in range(0, len(present), self.batch_size):
+            if self.stop.is_set():
+                return
+            items = [
+                (i, data[key]) for i, key in enumerate(job.keys[start : start + self.batch_size])
+            ]
+            futures = [
+                self.pool.submit(items[j : j + self.chunk], self.size)
+                for j in range(0, len(items), self.chunk)
+            ]
+            self.batches.put(_Batch(job, start, len(items), futures))
+
+    def _dispatch_bucketed(self, job: _ShardJob, data: dict[str, bytes]) -> None:
+        """A shard's images decoded into their buckets (in the decode workers), gathered per
+        bucket in key order and handed out a full batch at a time; each bucket's last, short
+        batch at the shard's end. A bounded number of decode tasks is in flight, and at most a
+        batch less one image waits per bucket."""
+        self.batches.put(job)
+        waiting: dict[int, list[tuple[int, np.ndarray]]] = {}
+        in_flight: deque[Future] = deque()
+        limit = max(2 * self.num_workers, DECODE_AHEAD // self.chunk)
+        num_batches = 0
+
+        def hand_out(bucket: int) -> None:
+            nonlocal num_batches
+            rows = np.array([r for r, _ in waiting[bucket]], np.int64)
+            pixels = [p for _, p in waiting[bucket]]
+            waiting[bucket] = []
+            self.batches.put(_Batch(job, -1, len(rows), [], bucket, rows, pixels))
+            num_batches += 1
+
+        def take_oldest() -> None:
+            rows, payload, dropped = in_flight.popleft().result()
+            job.dropped.update(dropped)
+            for row, (bucket, pixels) in zip(rows, payload, strict=True):
+                waiting.setdefault(bucket, []).append((row, pixels))
+                if len(waiting[bucket]) == self.batch_size:
+                    hand_out(bucket)
+
+        for start in range(0, len(job.keys), self.chunk):
+            if self.stop.is_set():
+                for f in in_flight:
+                    f.cancel()
+                return
+            items = [
+                (i, data[job.keys[i]]) for i in range(start, min(len(job.keys), start + self.chunk))
+            ]
+            in_flight.append(self.pool.submit(items, self.size, "bucketed", plan=self.plan))
+            while len(in_flight) > limit:
+                take_oldest()
+        while in_flight:
+            take_oldest()
+        for bucket in sorted(waiting):
+            if waiting[bucket]:
+                hand_out(bucket)
+        job.num_batches = num_batches  # before the marker: the VAE's thread reads it after
+        self.batches.put(_SHARD_END)
+
+    def results(self) -> Iterator[Encoded]:
+        """The calling thread's loop: fill a ring slot, start its encode, collect the one before."""
+        order: deque[Encoded] = deque()  # shards begun, in order
+        in_flight: deque[tuple[_Batch, Encoded, object]] = deque()
+        num_submitted = 0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = self.batches.get(timeout=DRAIN_AFTER_S)
+            except queue.Empty:
+                # Nothing comes: finish the batches in flight, so a shard all submitted is
+                # yielded now, not when the next shard comes (it may wait on this one's result).
+                while in_flight:
+                    self._collect(*in_flight.popleft())
+                yield from self._pop_complete(order)
+                item = self.batches.get()
+            if item is _END:
+                self.ended = True
+                if self.errors:
+                    raise self.errors[0]
+                while in_flight:
+                    self._collect(*in_flight.popleft())
+                yield from self._pop_complete(order)
+                return
+            if item is _SHARD_END:
+                yield from self._pop_complete(order)
+                continue
+            if isinstance(item, _ShardJob):
+                latents = None
+                if not self.bucketed:
+                    side = self.size // 8
+                    latents = np.empty((len(item.keys), 4, side, side), np.float16)
+                order.append(Encoded(item, latents))
+                yield from self._pop_complete(order)
+                continue
+            encoded = order[-1]
+            slot = num_submitted % len(self.ring)
+            if self.bucketed:
+                width, height = self.sizes[item.bucket].tolist()
+                host = self.ring.slot(slot, (self.batch_size, height, width, 3))
+                self._fill_bucketed(host, item)
+            else:
+                host = self.ring.slot(slot, (self.batch_size, self.size, self.size, 3))
+                self._fill(host, item, encoded)
+            encoded.data_wait_s += time.perf_counter() - t0
+            in_flight.append((item, encoded, self.ring.submit(slot)))
+            num_submitted += 1
+            while len(in_flight) > self.ring.depth:
+                self._collect(*in_flight.popleft())
+            yield from self._pop_complete(order)
+
+    def _fill(self, host: np.ndarray, batch: _Batch, encoded: Encoded) -> None:
+        filled = np.zeros(len(host), bool)
+        for future in batch.futures:
+            rows, pixels, dropped = future.result()
+            if rows and rows[-1] - rows[0] + 1 == len(rows):  # no hole: one block copy
+                host[rows[0] : rows[-1] + 1] = pixels
+            else:
+                host[rows] = pixels
+            filled[rows] = True
+            for row, reason in dropped.items():
+                encoded.dropped[batch.start + row] = reason
+        # Holes and padding are zeros, not what the slot held before: same batch, same bits.
+        host[~filled] = 0
+
+    @staticmethod
+    def _fill_bucketed(host: np.ndarray, batch: _Batch) -> None:
+        for i, pixels in enumerate(batch.pixels):
+            host[i] = pixels
+        host[batch.size :] = 0  # padding: zeros, whatever the slot held before
+
+    def _collect(self, batch: _Batch, encoded: Encoded, handle) -> None:
+        latents = self.ring.result(handle)
+        if self.bucketed:
+            part = (batch.rows, latents[: batch.size].copy())  # the slot's buffer is reused
+            encoded.parts.setdefault(batch.bucket, []).append(part)
+        else:
+            encoded.latents[batch.start : batch.start + batch.size] = latents[: batch.size]
+        encoded.num_batches_done += 1
+
+    @staticmethod
+    def _pop_complete(order: deque[Encoded]) -> Iterator[Encoded]:
+        while order and order[0].complete:
+            yield order.popleft()
+
+
+def _sample_digests(root: Path, source: str, shard: str, keys: list[str]) -> list[str]:
+    """The sha256 of each key's image bytes from the shard's sample table
+    (`shards/NNNNN.parquet`), "" where the table, its column or the key is missing."""
+    table_path = root / source / "shards" / f"{shard}.parquet"
+    try:
+        names = pq.read_schema(table_path).names
+    except FileNotFoundError:
+        return [""] * len(keys)
+    if "key" not in names or "sha256" not in names:
+        return [""] * len(keys)
+    table = pq.read_table(table_path, columns=["key", "sha256"])
+    where = pc.index_in(pa.array(keys, pa.string()), value_set=table["key"].combine_chunks())
+    digests = table["sha256"].combine_chunks().cast(pa.string()).take(where)
+    return pc.fill_null(digests, "").to_pylist()
