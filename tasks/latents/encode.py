@@ -1,6 +1,6 @@
 """encode: a shard's images -> VAE posterior mean x scaling factor -> fp16 `latents/NNNNN.npy`.
 
-Row i of the latents is row i of `NNNNN.keys.arrow` (its key, token row: tasks/latent_keys). Stages
+Row i of the latents is row i of `NNNNN.keys.arrow` (its key, token row: latent_keys.py). Stages
 overlap so the VAE never waits for data: I/O thread -> feeder thread -> decode processes ->
 pinned ring -> side-stream copy -> VAE. Batches never span shards and always have `batch_size`
 rows (holes zeroed), so a shard's latents are the same bits whatever was encoded before it.
