@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
-from tasks import score
+from tasks.curation import score
 
 def peak():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
