@@ -2,16 +2,19 @@
 
 Row i of the latents is row i of `NNNNN.keys.arrow` (its key, token row: latent_keys.py). Stages
 overlap so the VAE never waits for data: I/O thread -> feeder thread -> decode processes ->
-pinned ring -> side-stream copy -> VAE. Batches never span shards and always have `batch_size`
-rows (holes zeroed), so a shard's latents are the same bits whatever was encoded before it.
+pinned ring -> side-stream copy -> VAE. Batches always have `batch_size` rows (holes and padding
+zeroed) and every op of the VAE is per image, so an image's latent is the same bits whatever
+else its batch holds: a shard's latents do not depend on what was encoded before it.
 
 A source's `LatentSpec` (VAE, bucket plan, views, channels: docs/training-data.md, "Latents on
 disk") decides the layout. The legacy spec (the model's square, no flips, no log-variance)
 writes the files above. Any other writes `latents/NNNNN.WxH.npy` fp16 [n, V, C, H/8, W/8] per
 bucket present in the shard: each image goes to the bucket nearest its aspect ratio, resized to
 cover it and center-cropped (in the decode workers, `images.decode_bucketed`); batches never
-span buckets either; view 1 is the VAE's output on the mirrored image; channels 4..7 the
-log-variance of the scaled posterior. A shard is done only under the spec it was encoded with.
+span buckets, but do span shards (a bucket's unfinished batch waits for the next shard's
+images, so only the stream's last batch per bucket is padded); view 1 is the VAE's output on
+the mirrored image; channels 4..7 the log-variance of the scaled posterior. A shard is done
+only under the spec it was encoded with.
 
 Here: the VAE per device, the stage's entry points, many devices and latent QA. Its parts:
 encode_spec.py (the spec, when a shard is done), encode_pipeline.py (decode and batch),
@@ -49,6 +52,7 @@ from tasks.latents.encode_write import finish_shard
 from tasks.runtime.shards import ShardStats, read_stats, run_shard
 
 QA_FILE = "qa.json"
+PRECISIONS = ("bf16", "autocast", "fp32")  # see encode_precision
 
 _vaes: dict[tuple[str, str], torch.nn.Module] = {}
 _encoders: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -97,38 +101,74 @@ def _canonical(device: torch.device) -> torch.device:
     return device
 
 
-def vae_for(model: Model, device: torch.device) -> torch.nn.Module:
-    """One frozen VAE per model, device and process, shared by shard tasks running in threads."""
+def encode_precision(device: torch.device, precision: str | None = None) -> str:
+    """The VAE's numerics on `device`: `bf16`, its weights and activations in bf16 (a GPU's
+    default: no fp32 copies of activations, no casts per layer); `autocast`, fp32 weights under
+    bf16 autocast (sdpipe's GPU path before issue 28, kept as the benchmark's baseline; its
+    GroupNorms run in fp32); `fp32` (the CPU's default)."""
+    if precision is None:
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return "bf16" if bf16 else "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"encode precision {precision!r}: one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+def vae_for(model: Model, device: torch.device, precision: str | None = None) -> torch.nn.Module:
+    """One frozen VAE per model, device, weights dtype and process, shared by shard tasks running
+    in threads."""
     device = _canonical(device)
+    dtype = torch.bfloat16 if encode_precision(device, precision) == "bf16" else torch.float32
     with _lock:
-        key = (model.name, str(device))
+        key = (model.name, str(device), dtype)
         if key not in _vaes:
             vae = build_vae(model).eval().requires_grad_(False)
             if device.type == "cuda":
                 # Batches arrive NHWC, the layout cuDNN's fastest bf16 convolutions use.
                 vae = vae.to(memory_format=torch.channels_last)
-            _vaes[key] = vae.to(device)
+            _vaes[key] = vae.to(device=device, dtype=dtype)
         return _vaes[key]
 
 
+def _vae_input(x_BHWC: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [B, H, W, 3] -> [B, 3, H, W] in [-1, 1], scaled in fp32 then cast to `dtype`; NHWC
+    in memory, as it came."""
+    return x_BHWC.permute(0, 3, 1, 2).float().div(127.5).sub(1.0).to(dtype)
+
+
+def _numerics(vae: torch.nn.Module, precision: str | None):
+    """(input dtype, autocast context) of an encoder over `vae` at `precision`."""
+    weight = next(vae.parameters())
+    autocast = (
+        encode_precision(weight.device, precision) == "autocast" and weight.dtype == torch.float32
+    )
+    context = functools.partial(
+        torch.autocast, weight.device.type, dtype=torch.bfloat16, enabled=autocast
+    )
+    return weight.dtype, context
+
+
 def latent_encoder(
-    vae: torch.nn.Module, scaling_factor: float, *, compile: bool = False
+    vae: torch.nn.Module,
+    scaling_factor: float,
+    *,
+    compile: bool = False,
+    precision: str | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """uint8 [B, H, W, 3] on the VAE's device -> fp16 latents [B, 4, H/8, W/8] there.
 
-    Pixels travel as uint8 (4x less to copy than float) and are scaled on the device; bf16
-    autocast on a GPU, fp32 on CPU.
+    Pixels travel as uint8 (4x less to copy than float) and are scaled on the device; the VAE
+    runs in its weights' dtype (bf16 on a GPU, fp32 on CPU: `encode_precision`), or under bf16
+    autocast over fp32 weights (`precision="autocast"`).
     """
-    device = next(vae.parameters()).device
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype, autocast = _numerics(vae, precision)
 
     def encode(x_BHWC: torch.Tensor) -> torch.Tensor:
-        x = x_BHWC.permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            mean = vae.encode(x).latent_dist.mean
+        with autocast():
+            mean = vae.encode(_vae_input(x_BHWC, dtype)).latent_dist.mean
         return (mean.float() * scaling_factor).to(torch.float16)
 
-    return torch.compile(encode, dynamic=False) if compile else encode
+    return _compiled(encode) if compile else encode
 
 
 def view_encoder(
@@ -138,20 +178,20 @@ def view_encoder(
     views: int = 1,
     channels: int = 4,
     compile: bool = False,
+    precision: str | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """uint8 [B, H, W, 3] -> fp16 [B, V, C, H/8, W/8] on the VAE's device (the per-bucket
     layout). View 1 (views=2) is the VAE's output on the mirrored image, not a flip of view 0's
     latent; channels 4..7 (channels=8) are the log-variance of the scaled posterior, logvar +
     2 ln(scaling_factor), so a draw is mean + exp(logvar / 2) * eps."""
-    device = next(vae.parameters()).device
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype, autocast = _numerics(vae, precision)
     log_scale = 2 * math.log(scaling_factor)
 
     def encode(x_BHWC: torch.Tensor) -> torch.Tensor:
-        x = x_BHWC.permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+        x = _vae_input(x_BHWC, dtype)
         if views == 2:  # the width axis: image[:, ::-1] of each HWC image
             x = torch.cat([x, x.flip(3)])
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with autocast():
             posterior = vae.encode(x).latent_dist
         parts = [posterior.mean.float() * scaling_factor]
         if channels == 8:
@@ -160,28 +200,41 @@ def view_encoder(
         z = z.unflatten(0, (views, x_BHWC.shape[0])).transpose(0, 1)
         return z.to(torch.float16).contiguous()
 
-    return torch.compile(encode, dynamic=False) if compile else encode
+    return _compiled(encode) if compile else encode
+
+
+def _compiled(encode: Callable) -> Callable:
+    """`encode` compiled per input shape (each bucket's batch is one shape), with room for every
+    bucket of a plan before torch would fall back to eager."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(encode, dynamic=False)
 
 
 def encoder_for(
-    model: Model, device: torch.device, compile: bool = False, spec: LatentSpec | None = None
+    model: Model,
+    device: torch.device,
+    compile: bool = False,
+    spec: LatentSpec | None = None,
+    precision: str | None = None,
 ):
-    """The process's encoder of `vae_for(model, device)` for `spec` (default: legacy,
-    `latent_encoder`; else `view_encoder`), compiled once if asked."""
+    """The process's encoder of `vae_for(model, device, precision)` for `spec` (default:
+    legacy, `latent_encoder`; else `view_encoder`), compiled once if asked."""
     device = _canonical(device)
-    vae = vae_for(model, device)
+    precision = encode_precision(device, precision)
+    vae = vae_for(model, device, precision)
     layout = None if spec is None or spec.legacy else (spec.views, spec.channels)
     with _lock:
-        key = (model.name, str(device), compile, layout)
+        key = (model.name, str(device), compile, layout, precision)
         if key not in _encoders:
             if device.type == "cuda":
                 # Batches of a shape repeat: let cuDNN time its algorithms once per shape.
                 torch.backends.cudnn.benchmark = True
+            options = dict(compile=compile, precision=precision)
             if layout is None:
-                _encoders[key] = latent_encoder(vae, model.scaling_factor, compile=compile)
+                _encoders[key] = latent_encoder(vae, model.scaling_factor, **options)
             else:
                 _encoders[key] = view_encoder(
-                    vae, model.scaling_factor, views=layout[0], channels=layout[1], compile=compile
+                    vae, model.scaling_factor, views=layout[0], channels=layout[1], **options
                 )
         return _encoders[key]
 
@@ -213,11 +266,12 @@ def encode_pixels(
     *,
     batch_size: int = 32,
     compile: bool = False,
+    precision: str | None = None,
 ) -> torch.Tensor:
     """The encoder alone, as the pipeline runs it, on pixels already in memory (on the device,
     uint8 [N, H, W, 3]): the pipeline's ceiling. fp16 latents [N, 4, H/8, W/8] on the device.
     """
-    encode = encoder_for(model, pixels_BHWC.device, compile)
+    encode = encoder_for(model, pixels_BHWC.device, compile, precision=precision)
     batches = pixels_BHWC.split(batch_size)
     if pixels_BHWC.device.type != "cpu":
         return torch.cat([encode(b) for b in batches])
@@ -244,6 +298,7 @@ def encode_stream(
     num_workers: int | None = None,
     compile: bool = False,
     spec: LatentSpec | None = None,
+    precision: str | None = None,
 ) -> Iterator[tuple[str, ShardStats | Exception]]:
     """Encode shards as they come through one pipeline, the next one's inputs read while one
     encodes: (shard, its stats record, or the error that failed it) in the order given.
@@ -267,7 +322,7 @@ def encode_stream(
         device=device,
         num_workers=num_workers or default_num_workers(device),
         spec=spec,
-        make_encoder=functools.partial(encoder_for, model, device, compile, spec),
+        make_encoder=functools.partial(encoder_for, model, device, compile, spec, precision),
     )
     with pipeline:
         for encoded in pipeline.results():
@@ -292,6 +347,7 @@ def encode_shards(
     num_workers: int | None = None,
     compile: bool = False,
     spec: LatentSpec | None = None,
+    precision: str | None = None,
 ) -> list[ShardStats]:
     """Encode `shards` in order through one pipeline; shards already done (under `spec`,
     default `LatentSpec.of(model)`: the model's plan, no flips, the mean) are skipped. The first
@@ -309,6 +365,7 @@ def encode_shards(
         num_workers=num_workers,
         compile=compile,
         spec=spec,
+        precision=precision,
     )
     done = []
     with contextlib.closing(stream):
@@ -361,6 +418,7 @@ def encode_on_devices(
     num_workers: int | None = None,
     compile: bool = False,
     spec: LatentSpec | None = None,
+    precision: str | None = None,
 ) -> list[ShardStats]:
     """One encoder process per device (e.g. every GPU of a machine), each on its share."""
     cores = max(1, len(os.sched_getaffinity(0)) // len(devices))
@@ -369,6 +427,7 @@ def encode_on_devices(
         num_workers=num_workers or max(1, cores - 1),
         compile=compile,
         spec=spec,
+        precision=precision,
     )
     ctx = multiprocessing.get_context("spawn")  # a process that holds CUDA cannot fork
     procs = [

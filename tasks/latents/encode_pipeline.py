@@ -110,7 +110,7 @@ def extract_images(tar_bytes: bytes, keys: set[str]) -> dict[str, bytes]:
 
 
 _END = object()  # a producer thread is finished
-_SHARD_END = object()  # the feeder handed out a (bucketed) shard's last batch
+_SHARD_END = object()  # the feeder settled a (bucketed) shard's count of batches
 
 
 @dataclass(slots=True)
@@ -137,6 +137,12 @@ class _ShardJob:
     started: float = 0.0  # when its images began to be handed out (its record's seconds)
     sha256: list[str] | None = None  # per key (bucketed layout)
     dropped: dict[int, str] = field(default_factory=dict)  # bucketed: filled by the feeder
+    # Bucketed, kept by the feeder: batches holding its images so far, its images waiting in a
+    # bucket's unfinished batch, and whether all its images are decoded.
+    handed: int = 0
+    waiting: int = 0
+    decoded: bool = False
+    encoded: Encoded | None = None  # its latents, once the VAE's thread has seen it
 
 
 @dataclass(slots=True)
@@ -145,11 +151,12 @@ class _Batch:
     start: int  # index of its first image in job.keys (legacy)
     size: int
     futures: list[Future]
-    # The bucketed layout: its bucket (index into the plan's sizes), its images' indices in
-    # job.keys and their pixels [H, W, 3] of that bucket, decoded already.
+    # The bucketed layout: its bucket (index into the plan's sizes), its images' pixels
+    # [H, W, 3] of that bucket, decoded already, and whose they are: (shard job, the images'
+    # indices in job.keys) per shard, in batch order. A batch may span shards, never buckets.
     bucket: int = -1
-    rows: np.ndarray | None = None
     pixels: list[np.ndarray] | None = None
+    segments: list[tuple[_ShardJob, np.ndarray]] | None = None
 
 
 @dataclass(slots=True)
@@ -274,6 +281,9 @@ class Pipeline:
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.ended = False
+        # Bucketed: per bucket, the decoded images of its unfinished batch, (job, index in
+        # job.keys, pixels), across shards (the feeder's alone).
+        self.waiting: dict[int, list[tuple[_ShardJob, int, np.ndarray]]] = {}
         self.threads = [
             threading.Thread(target=self._prefetch, name="encode-prefetch", daemon=True),
             threading.Thread(target=self._feed, name="encode-feed", daemon=True),
@@ -322,11 +332,25 @@ class Pipeline:
             self.inputs.put(_END)
 
     def _feed(self) -> None:
-        """Feeder thread: extract a shard's images and hand its batches to the decoders."""
+        """Feeder thread: extract a shard's images and hand its batches to the decoders.
+
+        Bucketed, a bucket's unfinished batch waits for the next shard's images of that bucket,
+        so only the stream's last batch of a bucket is padded; when no shard comes within
+        DRAIN_AFTER_S (the stream's end, or a stream fed as shards are made) they are handed
+        out as they are, and the shards waiting on them complete."""
         try:
-            while (item := self.inputs.get()) is not _END:
+            while True:
+                try:
+                    item = self.inputs.get(timeout=DRAIN_AFTER_S)
+                except queue.Empty:
+                    self._flush()
+                    item = self.inputs.get()
+                if item is _END:
+                    break
                 if not self.stop.is_set():
                     self._dispatch(item)
+            if not self.stop.is_set():
+                self._flush()
         except BaseException as e:
             self.errors.append(e)
             while self.inputs.get() is not _END:
@@ -374,30 +398,21 @@ class Pipeline:
 
     def _dispatch_bucketed(self, job: _ShardJob, data: dict[str, bytes]) -> None:
         """A shard's images decoded into their buckets (in the decode workers), gathered per
-        bucket in key order and handed out a full batch at a time; each bucket's last, short
-        batch at the shard's end. A bounded number of decode tasks is in flight, and at most a
-        batch less one image waits per bucket."""
+        bucket in stream order and handed out a full batch at a time (`_flush` hands out the
+        unfinished ones). A bounded number of decode tasks is in flight, and at most a batch
+        less one image waits per bucket."""
         self.batches.put(job)
-        waiting: dict[int, list[tuple[int, np.ndarray]]] = {}
         in_flight: deque[Future] = deque()
         limit = max(2 * self.num_workers, DECODE_AHEAD // self.chunk)
-        num_batches = 0
-
-        def hand_out(bucket: int) -> None:
-            nonlocal num_batches
-            rows = np.array([r for r, _ in waiting[bucket]], np.int64)
-            pixels = [p for _, p in waiting[bucket]]
-            waiting[bucket] = []
-            self.batches.put(_Batch(job, -1, len(rows), [], bucket, rows, pixels))
-            num_batches += 1
 
         def take_oldest() -> None:
             rows, payload, dropped = in_flight.popleft().result()
             job.dropped.update(dropped)
             for row, (bucket, pixels) in zip(rows, payload, strict=True):
-                waiting.setdefault(bucket, []).append((row, pixels))
-                if len(waiting[bucket]) == self.batch_size:
-                    hand_out(bucket)
+                self.waiting.setdefault(bucket, []).append((job, row, pixels))
+                job.waiting += 1
+                if len(self.waiting[bucket]) == self.batch_size:
+                    self._hand_out(bucket)
 
         for start in range(0, len(job.keys), self.chunk):
             if self.stop.is_set():
@@ -412,11 +427,40 @@ class Pipeline:
                 take_oldest()
         while in_flight:
             take_oldest()
-        for bucket in sorted(waiting):
-            if waiting[bucket]:
-                hand_out(bucket)
-        job.num_batches = num_batches  # before the marker: the VAE's thread reads it after
-        self.batches.put(_SHARD_END)
+        job.decoded = True
+        self._settle([job])
+
+    def _hand_out(self, bucket: int) -> None:
+        """The bucket's waiting images as one batch (the feeder's thread)."""
+        waiting = self.waiting.pop(bucket)
+        segments: list[tuple[_ShardJob, np.ndarray]] = []
+        for job, row, _ in waiting:
+            if not segments or segments[-1][0] is not job:
+                segments.append((job, []))
+            segments[-1][1].append(row)
+        segments = [(job, np.array(rows, np.int64)) for job, rows in segments]
+        for job, rows in segments:
+            job.handed += 1
+            job.waiting -= len(rows)
+        pixels = [p for _, _, p in waiting]
+        self.batches.put(_Batch(segments[0][0], -1, len(waiting), [], bucket, pixels, segments))
+        self._settle([job for job, _ in segments])
+
+    def _flush(self) -> None:
+        """Hand out every bucket's unfinished batch: nothing more comes for now."""
+        for bucket in sorted(self.waiting):
+            self._hand_out(bucket)
+
+    def _settle(self, jobs: list[_ShardJob]) -> None:
+        """A decoded job with no image waiting has all its batches handed out: its count is final
+        (set after its last batch is queued; the marker tells the VAE's thread to look)."""
+        settled = False
+        for job in jobs:
+            if job.decoded and job.waiting == 0 and job.num_batches < 0:
+                job.num_batches = job.handed
+                settled = True
+        if settled:
+            self.batches.put(_SHARD_END)
 
     def results(self) -> Iterator[Encoded]:
         """The calling thread's loop: fill a ring slot, start its encode, collect the one before."""
@@ -450,7 +494,8 @@ class Pipeline:
                 if not self.bucketed:
                     side = self.size // 8
                     latents = np.empty((len(item.keys), 4, side, side), np.float16)
-                order.append(Encoded(item, latents))
+                item.encoded = Encoded(item, latents)
+                order.append(item.encoded)
                 yield from self._pop_complete(order)
                 continue
             encoded = order[-1]
@@ -491,12 +536,16 @@ class Pipeline:
 
     def _collect(self, batch: _Batch, encoded: Encoded, handle) -> None:
         latents = self.ring.result(handle)
-        if self.bucketed:
-            part = (batch.rows, latents[: batch.size].copy())  # the slot's buffer is reused
-            encoded.parts.setdefault(batch.bucket, []).append(part)
-        else:
+        if not self.bucketed:
             encoded.latents[batch.start : batch.start + batch.size] = latents[: batch.size]
-        encoded.num_batches_done += 1
+            encoded.num_batches_done += 1
+            return
+        start = 0
+        for job, rows in batch.segments:
+            part = (rows, latents[start : start + len(rows)].copy())  # the slot is reused
+            job.encoded.parts.setdefault(batch.bucket, []).append(part)
+            job.encoded.num_batches_done += 1
+            start += len(rows)
 
     @staticmethod
     def _pop_complete(order: deque[Encoded]) -> Iterator[Encoded]:
