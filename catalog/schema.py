@@ -140,6 +140,7 @@ class Phase:
     max_nonfinite_steps: int | None = None
     channels_last: bool | None = None
     gradient_checkpointing: bool | None = None
+    compile: bool | None = None  # torch.compile the UNet (sdtrain/config.py: off)
     latents_in_ram: bool | None = None
     num_val_samples: int | None = None  # rows held out of the mix for the validation loss
     # A row is read mirrored with this probability, per (seed, epoch, row); above 0, encode

@@ -48,3 +48,28 @@ def uses_bucketed_sampler(
     buckets, or flips, latent draws or train-time captions, each of which needs the epoch with
     the row. Otherwise the plain sampler (`EpochSampler`) and its order, as before buckets."""
     return num_buckets > 1 or flips or latent_draws or train_time_captions
+
+
+def shape_batches(phase_set, sampler) -> list[np.ndarray]:
+    """The rows of the first batch of each (bucket, rows on this rank) that the bucketed
+    `sampler` gives this rank in its epoch, each bucket's last short or long batch included
+    (the sizes are the same every epoch)."""
+    rank, world_size = sampler.rank, sampler.world_size
+    order, starts, sizes = sampler.plan(sampler.epoch)
+    base, extra = np.divmod(sizes, world_size)
+    mine = base + (rank < extra)
+    low = starts + rank * base + np.minimum(rank, extra)
+    buckets = np.asarray(phase_set.bucket_of_row)[order[starts]]
+    _, first = np.unique(np.stack([buckets, mine], 1), axis=0, return_index=True)
+    return [order[low[i] : low[i] + mine[i]] for i in np.sort(first).tolist()]
+
+
+def warm_up_batches(loader, phase_set=None, sampler=None):
+    """One batch of each shape this rank's loader will give (`runtime.warm_up`), collated as the
+    loader collates: bucketed (`sampler`, a BucketBatchSampler over `phase_set`), those of
+    `shape_batches` (epoch `sampler.epoch`); else the loader's first batch."""
+    if sampler is None:
+        yield loader.collate_fn([loader.dataset[i] for i in range(loader.batch_size)])
+        return
+    for rows in shape_batches(phase_set, sampler):
+        yield loader.collate_fn([phase_set[int(r), sampler.epoch] for r in rows])

@@ -90,6 +90,14 @@ class TrainConfig:
     precision: Precision = "auto"  # auto: bf16 where supported, else fp16 + scaler; CPU fp32
     channels_last: bool = True
     gradient_checkpointing: bool = True  # ~40% less activation memory, ~25% slower steps
+    # torch.compile the UNet's training steps, a static graph per batch shape (each bucket's,
+    # each short batch's), compiled in the warm-up. Off until a GPU figure shows it pays
+    # (docs/benchmarks.md): SD1.5's graph took over 90 s to compile on an H200.
+    compile: bool = False
+    # One forward and backward of every batch shape before step 1, so compiling and cuDNN's
+    # autotuning are paid up front, not in each bucket's first steps; None: on a GPU or when
+    # compiling (elsewhere it changes nothing but time).
+    warm_up: bool | None = None
     deterministic: bool = False  # deterministic kernels: bitwise-reproducible runs on CPU
     # A step whose loss or gradient norm is NaN/inf updates neither the weights nor the EMA
     # (counted); this many in a row stop the run (the last checkpoint holds finite weights).
@@ -159,6 +167,7 @@ PHASE_OVERRIDES = (
     "max_nonfinite_steps",
     "channels_last",
     "gradient_checkpointing",
+    "compile",
     "latents_in_ram",
     "num_val_samples",
     "flip_p",

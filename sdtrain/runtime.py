@@ -11,12 +11,15 @@ import contextlib
 import os
 import random
 import signal
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from sdtrain.bucket_batches import shape_batches, warm_up_batches
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -139,3 +142,65 @@ class StopRequest:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+def compiled(module: torch.nn.Module, *, shapes: int) -> torch.nn.Module:
+    """`module` compiled for `shapes` batch shapes: one static graph each (minutes each for
+    SD1.5: one graph over symbolic shapes failed to compile the tiny UNet, torch 2.14), with room
+    for all of them before torch would fall back to eager."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), shapes + 8))
+    return torch.compile(module, dynamic=False)
+
+
+def warm_up(
+    loss_of: Callable[[object], torch.Tensor],
+    batches: Iterable,
+    params: Iterable[torch.nn.Parameter],
+) -> tuple[int, float]:
+    """Forward and backward of one batch of each shape the run will see, before step 1, so that
+    cuDNN's autotuning (benchmark mode) and torch.compile's graphs are paid here and not in the
+    first steps of each bucket. The gradients are dropped and nothing else changes: no optimizer
+    or EMA exists yet, and the loss draws its noise per (seed, epoch, row), not from a global
+    generator. Returns (batches run, seconds)."""
+    started, count = time.perf_counter(), 0
+    for batch in batches:
+        loss_of(batch).backward()
+        count += 1
+    for p in params:
+        p.grad = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return count, time.perf_counter() - started
+
+
+def prepare_steps(
+    mode, unet, text_encoder, config, device: torch.device, autocast, data: tuple, rank: int
+) -> tuple[torch.nn.Module, dict]:
+    """The module the training steps run (what DDP wraps, `mode.ddp_module`): compiled when
+    `config.compile` (it shares the weights: validation, sample grids and checkpoints use the
+    UNet itself), and every batch shape the loader will give run once through the mode's loss
+    (`warm_up`, on a GPU or when compiling; `config.warm_up` decides when set), so compiling and
+    cuDNN's autotuning are not paid inside the first steps of each bucket. `data`: (loader,
+    phase set, its bucketed sampler or None). Returns (module, its record: compile, shapes
+    warmed, seconds)."""
+    loader, phase_set, sampler = data
+    module = mode.ddp_module(unet, text_encoder)
+    shapes = 1 if sampler is None else len(shape_batches(phase_set, sampler))
+    on = config.compile
+    if on:
+        module = compiled(module, shapes=shapes)
+    record = {"compile": on, "shapes": 0, "seconds": 0.0}
+    if config.warm_up if config.warm_up is not None else (device.type == "cuda" or on):
+
+        def loss_of(batch):
+            with autocast():
+                return mode.loss(module, batch, epoch=0)
+
+        batches = warm_up_batches(loader, phase_set, sampler)
+        ran, seconds = warm_up(loss_of, batches, [*unet.parameters(), *text_encoder.parameters()])
+        record.update(shapes=ran, seconds=round(seconds, 3))
+        if rank == 0:
+            print(f"warm-up: {ran} batch shapes in {seconds:.1f} s (compile {on})", flush=True)
+    return module, record

@@ -61,6 +61,7 @@ from sdtrain.runtime import (
     choose_numerics,
     configure_backends,
     load_optimizer_state,
+    prepare_steps,
     rng_state,
     set_rng_state,
     setup_distributed,
@@ -276,8 +277,11 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
     # The frozen networks have fixed weights (seed 0 for the tiny twins, as the encode stage).
     text_encoder = build_text_encoder(model).to(device).eval().requires_grad_(False)
     text_encoder = mode.prepare_text_encoder(text_encoder, resume_from)
+    # What DDP wraps: compiled for the steps, each batch shape run once first (runtime.py).
+    data = (loader, phase_set, sampler if bucketed else None)
+    module, warmed = prepare_steps(mode, unet, text_encoder, config, device, autocast, data, rank)
     ddp = DistributedDataParallel(
-        mode.ddp_module(unet, text_encoder),
+        module,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
@@ -566,6 +570,7 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             "best_checkpoint": str(checkpoints.best()) if checkpoints.best() else None,
             "sample_grid": str(grid_path),
             "seconds": round(time.perf_counter() - started, 3),
+            "warm_up": warmed,
         }
         if bucketed:  # training rows per bucket, and those left out, by reason
             summary["buckets"] = sampler.buckets
