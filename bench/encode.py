@@ -17,6 +17,12 @@ plans are kohya's / SimpleTuner's at 512 px (area 512^2, step 64, sides 256..102
 1:2..2:1) and, for `--size small` (256 px), the same plan at half scale (area 256^2, step 32,
 sides 128..512): the same five aspects, and latent sides multiples of 4 (even) under the /8 VAE.
 
+`--baseline autocast` (the default on a GPU) also times the legacy layout under sdpipe's GPU
+numerics before issue 28 (fp32 weights under bf16 autocast) in the same run, interleaved with
+the others: `baseline_ips` and `speedup_vs_baseline`. `numerics` compares each precision's
+latents with the fp32 VAE's (TF32 off) on the same pixels: max and RMS absolute difference, and
+the max over the reference's standard deviation.
+
 With any layout but legacy the inputs are a LAION-like mix of aspect ratios (`--aspects mixed`,
 for every layout of the run; legacy center-crops them), of `--input-side`^2 pixels each
 (width x height rounded to 8): of every 20 images, 9 near-square (1:1 x5, 1.1:1 x2, 1:1.1 x2),
@@ -195,6 +201,11 @@ def written(root: Path, resolution: int) -> tuple[int, dict[str, int]]:
     return nbytes, dict(sorted(rows.items()))
 
 
+def say(line: str) -> None:
+    """Progress on stderr, so a run stopped early still tells how far it got (stdout: the JSON)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -208,14 +219,70 @@ def sync(device: torch.device) -> None:
 
 
 def vae_only(model: Model, pixels: torch.Tensor, batch_size: int, compile: bool):
-    """(images/s, CPU seconds per image) of the encoder alone, as the pipeline runs it, on
-    pixels already in device memory."""
+    """(images/s, CPU seconds per image) of the encoder alone, as the pipeline runs it (its
+    default precision), on pixels already in device memory."""
     sync(pixels.device)
     wall, cpu = time.perf_counter(), time.process_time()
     encode.encode_pixels(model, pixels, batch_size=batch_size, compile=compile)
     sync(pixels.device)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return len(pixels) / wall, cpu / len(pixels)
+
+
+@torch.inference_mode()
+def vae_variants(model: Model, pixels: torch.Tensor, batch_size: int) -> dict[str, float]:
+    """Images/s of the encoder alone under other numerics and layouts than the stage's (GPU):
+    what each lever of issue 28 is worth, on the same pixels, each warmed up first."""
+    from sdtrain.models import build_vae
+
+    out = {}
+    variants = (
+        ("autocast+channels_last", torch.float32, "autocast", True, batch_size),
+        ("bf16+channels_last", torch.bfloat16, "bf16", True, batch_size),
+        ("bf16+contiguous", torch.bfloat16, "bf16", False, batch_size),
+        ("bf16+channels_last+batch_x2", torch.bfloat16, "bf16", True, 2 * batch_size),
+    )
+    for name, dtype, precision, channels_last, batch in variants:
+        vae = build_vae(model).eval().requires_grad_(False)
+        if channels_last:
+            vae = vae.to(memory_format=torch.channels_last)
+        vae = vae.to(device=pixels.device, dtype=dtype)
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        autocast = precision == "autocast"
+
+        def fn(b, vae=vae, fmt=fmt, autocast=autocast, dtype=dtype):
+            x = encode._vae_input(b, dtype).contiguous(memory_format=fmt)
+            with torch.autocast(pixels.device.type, torch.bfloat16, enabled=autocast):
+                return vae.encode(x).latent_dist.mean
+
+        for b in pixels[: 2 * batch].split(batch):  # cuDNN's autotuning, outside the timing
+            fn(b)
+        sync(pixels.device)
+        start = time.perf_counter()
+        for b in pixels.split(batch):
+            fn(b)
+        sync(pixels.device)
+        out[name] = round(len(pixels) / (time.perf_counter() - start), 2)
+        del vae
+    return out
+
+
+@torch.inference_mode()
+def numerics(model: Model, pixels: torch.Tensor, batch_size: int, precisions: list[str]) -> dict:
+    """Each precision's latents against the fp32 VAE's (TF32 off) on the same pixels."""
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        ref = encode.encode_pixels(model, pixels, batch_size=batch_size, precision="fp32").float()
+    spread = ref.std().item()
+    out = {"reference": "fp32 weights, TF32 off", "reference_std": round(spread, 4)}
+    for precision in precisions:
+        z = encode.encode_pixels(model, pixels, batch_size=batch_size, precision=precision)
+        diff = (z.float() - ref).abs()
+        out[precision] = {
+            "max_abs": round(diff.max().item(), 4),
+            "rms": round(diff.pow(2).mean().sqrt().item(), 5),
+            "max_abs_over_std": round(diff.max().item() / spread, 4),
+        }
+    return out
 
 
 @torch.inference_mode()
@@ -261,6 +328,24 @@ def main() -> None:
     parser.add_argument("--input-side", type=int, default=1024)
     parser.add_argument("--channels", help="the VAE's block_out_channels, e.g. 16,32,64,64")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument(
+        "--precision",
+        choices=encode.PRECISIONS,
+        default=None,
+        help="the encoder's numerics (default: encode.encode_precision's, bf16 on a GPU)",
+    )
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="GPU: also the VAE alone under other numerics and layouts (4 more autotunings)",
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=(*encode.PRECISIONS, "none"),
+        default=None,
+        help="the legacy layout also under this precision, side by side (default: autocast on "
+        "a GPU, none on CPU)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="best of, each measurement")
     parser.add_argument(
         "--layouts",
@@ -290,6 +375,9 @@ def main() -> None:
     batch_size = args.batch_size or (32 if cuda else 4)
     shard_size = args.shard_size or (256 if cuda else 64)
     workers = args.workers or encode.default_num_workers(device)
+    precision = encode.encode_precision(device, args.precision)
+    baseline = args.baseline or ("autocast" if cuda else "none")
+    baseline = None if baseline in ("none", precision) else baseline
     model = Model(
         name=f"bench-{size}",
         resolution=resolution,
@@ -303,15 +391,25 @@ def main() -> None:
         )
         shards = sorted(p.stem for p in (tmp / "inputs" / SOURCE / "tokens").glob("*.parquet"))
         options = dict(
-            batch_size=batch_size, device=device, num_workers=workers, compile=args.compile
+            batch_size=batch_size,
+            device=device,
+            num_workers=workers,
+            compile=args.compile,
+            precision=precision,
         )
 
         # Warm up (VAE build, decode workers, cuDNN autotune, compile) on the first shard, each
         # layout (its own shapes) alike.
         specs = {name: layout_of(name, model, size) for name in layouts}
-        for name, (layout_model, spec) in specs.items():
+        runs = dict(specs)  # what is timed: each layout, and the legacy one at the baseline's
+        if baseline:
+            runs["baseline"] = specs["legacy"]
+        for name, (layout_model, spec) in runs.items():
             warm = linked_root(tmp / "inputs", tmp / f"warm-{name}")
-            encode.encode_shards(warm, SOURCE, shards[:1], layout_model, spec=spec, **options)
+            kw = options | ({"precision": baseline} if name == "baseline" else {})
+            started = time.perf_counter()
+            encode.encode_shards(warm, SOURCE, shards[:1], layout_model, spec=spec, **kw)
+            say(f"warm-up {name}: {time.perf_counter() - started:.1f} s")
         cpu = time.process_time()
         decoded = [images.decode_image(d, resolution) for d in datas[:64]]
         decode_cpu_s = (time.process_time() - cpu) / len(decoded)
@@ -322,18 +420,22 @@ def main() -> None:
         num_naive = args.naive_images or (512 if cuda else num_images)
 
         gflop = gflop_per_image(model, pixels)
-        best = {"vae_only": 0.0, "naive": 0.0} | {name: 0.0 for name in layouts}
+        best = {"vae_only": 0.0, "naive": 0.0} | {name: 0.0 for name in runs}
         outputs = {}
         encode_cpu_s, waited = float("inf"), None
         for r in range(args.repeats):
             ips, cpu_s = vae_only(model, pixels, batch_size, args.compile)
             best["vae_only"] = max(best["vae_only"], ips)
+            say(f"repeat {r}: VAE alone {ips:.1f} images/s")
             encode_cpu_s = min(encode_cpu_s, cpu_s)
-            for name, (layout_model, spec) in specs.items():  # interleaved: load drifts alike
+            for name, (layout_model, spec) in runs.items():  # interleaved: load drifts alike
                 out = linked_root(tmp / "inputs", tmp / f"run{r}-{name}")
+                kw = options | ({"precision": baseline} if name == "baseline" else {})
                 start = time.perf_counter()
-                encode.encode_shards(out, SOURCE, shards, layout_model, spec=spec, **options)
-                best[name] = max(best[name], num_images / (time.perf_counter() - start))
+                encode.encode_shards(out, SOURCE, shards, layout_model, spec=spec, **kw)
+                rate = num_images / (time.perf_counter() - start)
+                best[name] = max(best[name], rate)
+                say(f"repeat {r}: {name} {rate:.1f} images/s")
                 outputs[name] = written(out, resolution)
                 if name == "legacy":
                     root = out
@@ -344,13 +446,19 @@ def main() -> None:
             model, pixels[:batch_size], batch_size=batch_size, compile=args.compile
         )
         reference = latents.float().cpu().numpy()
+        checked = numerics(
+            model, pixels[:batch_size], batch_size, [p for p in (precision, baseline) if p]
+        )
+        variants = vae_variants(model, pixels[:512], batch_size) if cuda and args.variants else None
+        if variants:
+            say(f"VAE alone, other numerics: {variants}")
         first = np.load(root / SOURCE / "latents" / f"{shards[0]}.npy")[:batch_size]
 
     result = {
         "device": torch.cuda.get_device_name(device) if cuda else cpu_name(),
         "size": size,
         "vae_config": model.vae_config,
-        "precision": "bf16 autocast" if cuda else "fp32",
+        "precision": precision,
         "compile": args.compile,
         "input": f"{args.input_side}px JPEG q90 ({num_unique} distinct images, cycled)"
         + (", LAION-like aspect mix (~input_side^2 px)" if mixed else ""),
@@ -375,7 +483,14 @@ def main() -> None:
         "pipeline_waited_for_data_s": round(waited, 3),
         "pipeline_max_abs_diff_vs_vae_only": float(np.abs(first - reference).max()),
         "repeats": args.repeats,
+        "numerics": checked,
+        "vae_only_variants_ips": variants,
+        "torch": torch.__version__,
     }
+    if baseline:
+        result["baseline_precision"] = baseline
+        result["baseline_ips"] = round(best["baseline"], 2)
+        result["speedup_vs_baseline"] = round(best["legacy"] / best["baseline"], 3)
     if layouts != ["legacy"] or mixed:  # legacy alone: the output of earlier runs, as it was
         aspects = [round(w / h, 2) for w, h in mixed_sizes(args.input_side, num_unique)]
         counts = {}
@@ -395,7 +510,7 @@ def main() -> None:
             }
             for name, (_, spec) in specs.items()
         }
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

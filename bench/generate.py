@@ -6,7 +6,11 @@ The same batch (prompts x seeds, DDIM `--steps`, CFG 7.5, batch 8) on one device
 cores split among them), each into an empty folder, then a rerun over a finished folder
 (nothing to make: planning + index). Weights: the tiny twin with random weights in a temporary
 run folder. Prints one JSON object.
+`--size full --device cuda`: SD1.5's architecture (random weights, in a temporary catalog as
+bench/train.py writes it) on one GPU, DDIM `--steps` (50) with CFG at 512 px: images/s of
+`generate_images` after a warm-up batch (issue 28 records it, without a goal).
 Usage: python bench/generate.py [--images 64] [--steps 100] [--devices 2]
+       python bench/generate.py --size full --device cuda [--images 64] [--steps 50]
 """
 
 from __future__ import annotations
@@ -43,7 +47,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    parser.add_argument("--device", default="cpu", help="full size: the one device")
     args = parser.parse_args()
+    if args.size == "full":
+        full_size(args)
+        return
 
     work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-generate-"))
     run_dir = write_tiny_weights(work / "run")
@@ -81,7 +90,58 @@ def main() -> None:
         lambda: gen.generate_images(run_dir, prompts, seeds, work / runs[1][0], **options)
     )
     result["rerun_nothing_to_make_s"] = round(seconds, 3)
-    print(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+def full_size(args) -> None:
+    """SD1.5 at 512 px on one device: images/s of `generate_images` (module docstring)."""
+    from bench.train import write_catalog
+    from catalog import load_catalog
+    from sdtrain.checkpoint import write_checkpoint
+    from sdtrain.config import TrainConfig
+    from sdtrain.models import build_unet
+
+    work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-generate-"))
+    model = write_catalog(work, "full")
+    run_dir = work / "run"
+    state = build_unet(load_catalog().model(model)).state_dict()
+    config = TrainConfig(
+        phase="bench", phase_dir=str(work), run_dir=str(run_dir), model=model, lr=1e-4,
+        warmup_steps=0, epochs=1, batch_size=1, cfg_dropout=0.1, min_snr_gamma=5.0,
+    )  # fmt: skip
+    write_checkpoint(run_dir / "final", unet=state, unet_ema=state, config=config)
+    del state
+    prompts = [f"a photo of object {i}, studio lighting" for i in range(args.images)]
+    options = dict(settings=gen.Settings(num_steps=args.steps), batch_size=args.batch_size)
+    devices = [args.device]
+    warm = prompts[: args.batch_size]
+    warm_s, _ = timed(
+        lambda: gen.generate_images(run_dir, warm, [0], work / "warm", devices=devices, **options)
+    )
+    seconds, _ = timed(
+        lambda: gen.generate_images(run_dir, prompts, [1], work / "out", devices=devices, **options)
+    )
+    cuda = torch.device(args.device).type == "cuda"
+    print(
+        json.dumps(
+            {
+                "bench": "generate",
+                "size": "full",
+                "device": args.device,
+                "gpu": torch.cuda.get_device_name() if cuda else None,
+                "resolution": load_catalog().model(model).resolution,
+                "images": len(prompts),
+                "steps": args.steps,
+                "guidance_scale": gen.DEFAULT_SETTINGS.guidance_scale,
+                "batch_size": args.batch_size,
+                "warm_up_s": round(warm_s, 2),
+                "seconds": round(seconds, 2),
+                "images_per_s": round(len(prompts) / seconds, 3),
+                "torch": torch.__version__,
+                "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,15 @@ Issue 20's data paths (docs/training-data.md):
   `bucket`) and the loop reads it with the bucketed sampler (a batch per bucket).
 With `--train-time-captions` the sdpipe loop itself tokenizes in the loader (seed 002's tag
 augmentation on): its `data_wait_fraction` is the trainer's own measure with them.
+
+Issue 28 (GPU speed): the trainer runs every batch shape once before step 1 on a GPU
+(`warm_up`) and compiles the UNet with `--compile` (the config's `compile`). `--baseline` also
+runs the loop as it was before (no compile, no warm-up) in the same process on the same phase
+set, for `--baseline-steps`, and reports `baseline_samples_per_s` and `speedup_vs_baseline`.
+Rates: `samples_per_s` is the steady rate (the logged windows after the first; with more than
+`--first-steps` steps, the windows after them), `first_steps_samples_per_s` the rate over the
+first `--first-steps` steps (every window, the first included, warm-up excluded: it is
+`warm_up_seconds`), and their ratio.
 Usage: python bench/train.py [--device cpu|cuda] [--size tiny|full] [--steps N] [--batch-size B]
        [--train-time-captions] [--buckets]
 """
@@ -111,6 +120,7 @@ def write_data(
     resolution: int,
     train_time_captions: bool = False,
     plan=None,
+    images: bool = True,
 ) -> tuple[Path, list[bytes], list[str]]:
     """A phase set in the mix stage's layout, and the JPEGs + captions the naive loop reads.
 
@@ -155,13 +165,13 @@ def write_data(
         from sdtrain.captions import write_captions
 
         write_captions(phase, root=work)
-    images = []
-    for _ in range(num_rows):
+    jpegs = []
+    for _ in range(num_rows if images else 0):  # the naive loop's inputs
         pixels = rng.integers(0, 256, (resolution, resolution, 3), dtype=np.uint8)
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
-        images.append(buffer.getvalue())
-    return phase, images, captions
+        jpegs.append(buffer.getvalue())
+    return phase, jpegs, captions
 
 
 def write_buckets(phase: Path, plan, num_rows: int, rng: np.random.Generator) -> None:
@@ -268,6 +278,12 @@ def bench_captions(args, phase: Path, step_s: float) -> dict:
     }
 
 
+def window_rate(records: list[dict], *, global_batch: int, log_every: int) -> float:
+    """Samples/s over the logged windows `records` (each `log_every` steps)."""
+    seconds = sum(log_every * global_batch / r["samples_per_s"] for r in records)
+    return len(records) * log_every * global_batch / seconds
+
+
 def steady_rates(records: list[dict], *, global_batch: int, log_every: int) -> tuple[float, float]:
     """(samples/s, data-wait fraction) over the logged windows after the first."""
     seconds = wait = samples = 0.0
@@ -279,12 +295,19 @@ def steady_rates(records: list[dict], *, global_batch: int, log_every: int) -> t
     return samples / seconds, wait / seconds
 
 
-def bench_sdpipe(args, model: str, phase: Path, run_dir: Path) -> dict:
+def bench_sdpipe(
+    args, model: str, phase: Path, run_dir: Path, *, steps: int, baseline: bool = False
+) -> dict:
+    """One run of sdpipe's trainer; `baseline`: as it ran before issue 28 (eager, no warm-up)."""
     from sdtrain.config import TrainConfig
     from sdtrain.monitor import read_log
     from sdtrain.train import train
 
     on_gpu = args.device == "cuda"
+    if baseline:
+        speed = {"compile": False, "warm_up": False}
+    else:
+        speed = {} if args.compile is None else {"compile": args.compile}
     config = TrainConfig(
         phase="bench",
         phase_dir=str(phase),
@@ -293,7 +316,7 @@ def bench_sdpipe(args, model: str, phase: Path, run_dir: Path) -> dict:
         lr=1e-5,
         warmup_steps=0,
         epochs=1,
-        max_steps=args.steps,
+        max_steps=steps,
         batch_size=args.batch_size,
         cfg_dropout=0.1,
         min_snr_gamma=5.0,
@@ -308,6 +331,7 @@ def bench_sdpipe(args, model: str, phase: Path, run_dir: Path) -> dict:
         channels_last=on_gpu,
         gradient_checkpointing=on_gpu and args.gradient_checkpointing,
         latents_in_ram=True,
+        **speed,
         # Issue 20: captions drawn, shuffled, dropped and tokenized in the loader, on the training
         # thread (num_workers 0), so their cost is part of the data wait the trainer measures.
         **(
@@ -322,10 +346,28 @@ def bench_sdpipe(args, model: str, phase: Path, run_dir: Path) -> dict:
         ),
     )
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON alone
-        train(config)
+        summary = train(config)
     records = [r for r in read_log(run_dir / "log.jsonl") if "loss" in r]
-    samples_per_s, wait = steady_rates(records, global_batch=args.batch_size, log_every=args.warmup)
-    return {"samples_per_s": samples_per_s, "data_wait_fraction": wait}
+    rates = dict(global_batch=args.batch_size, log_every=args.warmup)
+    first = [r for r in records if r["step"] <= args.first_steps]
+    later = [r for r in records if r["step"] > args.first_steps]
+    if later:  # the steady rate: after the first steps (every shape seen by then)
+        samples_per_s, wait = steady_rates(first[-1:] + later, **rates)
+    else:
+        samples_per_s, wait = steady_rates(records, **rates)
+    first_rate = window_rate(first, **rates)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # SD1.5's fill the disk
+    shutil.rmtree(run_dir / "final", ignore_errors=True)
+    return {
+        "samples_per_s": samples_per_s,
+        "data_wait_fraction": wait,
+        "first_steps": min(args.first_steps, steps),
+        "first_steps_samples_per_s": first_rate,
+        "first_steps_over_steady": first_rate / samples_per_s,
+        "compile": summary["warm_up"]["compile"],
+        "warm_up_shapes": summary["warm_up"]["shapes"],
+        "warm_up_seconds": summary["warm_up"]["seconds"],
+    }
 
 
 def bench_naive(args, model_name: str, images: list[bytes], captions: list[str]) -> float:
@@ -445,6 +487,17 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--size", choices=["tiny", "full"], default="tiny")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--first-steps", type=int, default=200, help="steps of the first rate")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the UNet (default: the trainer's, off)",
+    )
+    parser.add_argument(
+        "--baseline", action="store_true", help="also the loop as before issue 28 (eager)"
+    )
+    parser.add_argument("--baseline-steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the rates")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each loop; best kept")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 8 tiny, 24 full")
@@ -483,15 +536,28 @@ def main() -> None:
             )
         phase, images, captions = write_data(
             work,
-            num_rows=args.steps * args.batch_size,
+            num_rows=max(args.steps, args.baseline_steps if args.baseline else 0) * args.batch_size,
             resolution=resolution,
             train_time_captions=args.train_time_captions,
             plan=plan,
+            images=not args.skip_naive,
         )
         issue_20 = {}
-        sdpipe_runs, naive_runs = [], []
+        sdpipe_runs, naive_runs, baseline_runs = [], [], []
         for i in range(args.repeats):
-            sdpipe_runs.append(bench_sdpipe(args, model, phase, work / f"run-{i}"))
+            if args.baseline:
+                run = work / f"baseline-{i}"
+                steps = args.baseline_steps
+                baseline_runs.append(
+                    bench_sdpipe(args, model, phase, run, steps=steps, baseline=True)
+                )
+                print(f"baseline run {i}: {json.dumps(baseline_runs[-1])}", file=sys.stderr)
+            try:
+                run = bench_sdpipe(args, model, phase, work / f"run-{i}", steps=args.steps)
+            except Exception as e:  # the baseline's figures still print, with the error
+                print(f"sdpipe run failed: {e!r}", file=sys.stderr)
+                run = {"samples_per_s": float("nan"), "error": repr(e)[:500]}
+            sdpipe_runs.append(run)
             if not args.skip_naive:
                 naive_runs.append(bench_naive(args, model, images, captions))
         result = {
@@ -502,7 +568,7 @@ def main() -> None:
             "steps": args.steps,
             "warmup_steps": args.warmup,
             "repeats": args.repeats,
-            **max(sdpipe_runs, key=lambda r: r["samples_per_s"]),
+            **max(sdpipe_runs, key=lambda r: r["samples_per_s"] if r["samples_per_s"] > 0 else -1),
             "samples_per_s_runs": [round(r["samples_per_s"], 1) for r in sdpipe_runs],
         }
         if args.train_time_captions:
@@ -513,6 +579,11 @@ def main() -> None:
                 p.stem.split(".", 1)[1] for p in (phase / "latents").glob("*.npy")
             )
         result.update(issue_20)
+        if baseline_runs:
+            best = max(baseline_runs, key=lambda r: r["samples_per_s"])
+            result["baseline"] = {"steps": args.baseline_steps, **best}
+            result["baseline_samples_per_s"] = best["samples_per_s"]
+            result["speedup_vs_baseline"] = result["samples_per_s"] / best["samples_per_s"]
         if naive_runs:
             result["naive_samples_per_s"] = max(naive_runs)
             result["naive_samples_per_s_runs"] = [round(r, 1) for r in naive_runs]
@@ -522,6 +593,9 @@ def main() -> None:
             steps_per_s = result["samples_per_s"] / args.batch_size
             result["flops_per_step"] = flops
             result["mfu"] = flops * steps_per_s / args.peak_flops
+            if baseline_runs:
+                base_steps_per_s = result["baseline_samples_per_s"] / args.batch_size
+                result["baseline_mfu"] = flops * base_steps_per_s / args.peak_flops
             result["gpu"] = torch.cuda.get_device_name()
         result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
         result["machine"] = f"{platform.machine()} {os.cpu_count()} cores"
