@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from sdtrain import layout
+from sdtrain import fingerprints, layout
 from sdtrain.bucket_batches import bucketed_batches, uses_bucketed_sampler
 from sdtrain.captions import TrainTimeCaptions
 from sdtrain.objective import FLIP_STREAM, LATENT_STREAM, ORDER_STREAM
@@ -92,6 +92,7 @@ class PhaseSet(Dataset):
         phase_dir = Path(phase_dir)
         if not 0 <= flip_p <= 1:
             raise ValueError(f"flip_p={flip_p}: a probability, within [0, 1]")
+        fingerprints.check(phase_dir)  # StalePhaseSet: a source moved the rows the set reads
         index = layout.mapped_index(phase_dir)
         files, self.rows = index if index is not None else layout.derived_index(phase_dir)
         self.names = [f["name"] for f in files]

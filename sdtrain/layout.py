@@ -10,7 +10,8 @@
   `<source>-<shard>` (a legacy shard: `latents/<shard>.npy` [N, 4, h, w]) or
   `<source>-<shard>.<WxH>` (one bucket of a shard encoded in buckets: `latents/<shard>.<WxH>.npy`
   [n, V, C, H/8, W/8]); with buckets, each entry also has `bucket` ("WxH"), `views` and
-  `channels`.
+  `channels`; `sources` holds, per shard the set reads, digests of its keys and tokens files
+  (`sdtrain.fingerprints`: a set whose sources moved their rows is refused when opened).
 - `latents/<file>.npy` and `tokens/<file>.{npy,parquet}`: links into the sources' folders.
 
 The manifest's `bucket` is "" on the rows of a legacy shard: its file is `<source>-<shard>`, so
@@ -152,12 +153,17 @@ def write_rows(folder: Path, rows: np.ndarray) -> None:
 
 
 def write_files(
-    folder: Path, files: list[str], rows: np.ndarray, fields: list[dict] | None = None
+    folder: Path,
+    files: list[str],
+    rows: np.ndarray,
+    fields: list[dict] | None = None,
+    sources: dict | None = None,
 ) -> None:
     """`files.json`, once the manifest in `folder` is complete (it holds its fingerprint).
 
     `fields`: per file, its `bucket`, `views`, `channels` (a set with buckets); None writes the
-    legacy entries (name, latent_rows, token_rows) exactly as before.
+    legacy entries (name, latent_rows, token_rows) exactly as before. `sources`: the digests of
+    the source files the set reads (`sdtrain.fingerprints`), under "sources".
     """
     latents, tokens = needed_rows(rows, len(files))
     fields = fields if fields is not None else [{}] * len(files)
@@ -171,6 +177,8 @@ def write_files(
             )
         ],
     }
+    if sources is not None:
+        meta["sources"] = sources
     (folder / FILES).write_text(json.dumps(meta))
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from catalog import Catalog, Phase
-from sdtrain import captions, layout
+from sdtrain import captions, fingerprints, layout
 from sdtrain.atomic import TMP_MARK, clean_temporaries, replace_dir
 from tasks.phases.mix_read import EncodedView, MixError, dataset_view
 from tasks.phases.mix_write import ManifestWriter, RowIndex, link_files
@@ -110,9 +110,14 @@ def run_has_checkpoints(root: Path, phase: str) -> bool:
 
 def phase_set_for_run(root: Path, catalog: Catalog, phase: Phase) -> dict:
     """The phase set the phase's run trains on: the existing one while the run has checkpoints
-    (a resume must see the rows it started on), else a fresh `build_phase_set`."""
+    (a resume must see the rows it started on) and its sources are as it was mixed from (else
+    MixError naming the changed file), else a fresh `build_phase_set`."""
     existing = root / "phases" / phase.name
     if run_has_checkpoints(root, phase.name) and (existing / "manifest.parquet").is_file():
+        try:  # its sources still hold their rows where the set reads them
+            fingerprints.check(existing)
+        except fingerprints.StalePhaseSet as e:
+            raise MixError(str(e)) from e
         report = json.loads((existing / "mix.json").read_text())
         if phase.train_time_captions and not (existing / captions.CAPTIONS).is_file():
             # The phase turned train-time captions on since: the same rows, their text added.
@@ -172,7 +177,8 @@ def build_phase_set(root: Path, catalog: Catalog, phase: Phase) -> dict:
         link_files(root, tmp, files)
     fields = [f.fields() for f in files] if buckets else None
     names = [f.name for f in files]
-    layout.write_files(tmp, names, rows, fields)
+    # Digests of the keys and tokens files each shard's rows point into (sdtrain.fingerprints).
+    layout.write_files(tmp, names, rows, fields, fingerprints.record(tmp, names))
     if phase.train_time_captions:  # the text the loader tokenizes (sdtrain.captions)
         captions.write_captions(tmp, (names, rows), root)
     summary = {

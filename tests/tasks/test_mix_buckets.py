@@ -6,6 +6,7 @@ counted by the bucketed sampler's rule."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -358,3 +359,47 @@ def test_sdpipe_plan_prints_the_occupancy_per_rank(tmp_path, monkeypatch, capsys
         in lines
     )
     assert any(line.startswith("steps: 3 (1 epochs") for line in lines)
+
+
+# ---- a reused phase set is checked against its sources (issue 26, item 1)
+
+
+def test_a_reused_phase_set_whose_sources_moved_is_refused_naming_the_file(bucketed_root):
+    from sdtrain.data import PhaseSet
+
+    root = bucketed_root
+    p = phase(MixEntry(dataset="a", count=40), MixEntry(dataset="b", count=20), seed=4)
+    assert not mix.phase_set_for_run(root, catalog(root), p)["reused"]
+    (root / "runs" / "p1" / "checkpoints" / "step-000002").mkdir(parents=True)
+    assert mix.phase_set_for_run(root, catalog(root), p)["reused"]  # unchanged: reused
+    phase_dir = root / "phases" / "p1"
+    PhaseSet(phase_dir)
+
+    # b/00001 re-tokenized: the same keys, their rows in other positions.
+    tokens = root / "b" / "tokens" / "00001.parquet"
+    table = pq.read_table(tokens)
+    order = list(range(table.num_rows))[::-1]
+    pq.write_table(table.take(order), tokens)
+    np.save(tokens.with_suffix(".npy"), np.load(tokens.with_suffix(".npy"))[order])
+    with pytest.raises(mix.MixError, match=r"b/tokens/00001\.parquet changed since .*start"):
+        mix.phase_set_for_run(root, catalog(root), p)
+    with pytest.raises(ValueError, match=r"b/tokens/00001\.parquet changed since"):
+        PhaseSet(phase_dir)
+    pq.write_table(table, tokens)  # restored: the same digest, reused again
+    np.save(tokens.with_suffix(".npy"), np.load(tokens.with_suffix(".npy"))[order])
+    assert mix.phase_set_for_run(root, catalog(root), p)["reused"]
+
+    # a/00000 encoded again (the same spec): the same keys, in other buckets and bucket rows, so
+    # the latent and the caption would shift by different amounts. Its old files are gone (the
+    # re-encode's own rows are what the source holds now).
+    keys = latent_keys.read(root, "a", "00000")
+    for f in (root / "a" / "latents").glob("00000.*.npy"):
+        f.unlink()
+    bucketed_source(root, "a", {"00000": keys["bucket"].to_pylist()[::-1]})
+    with pytest.raises(mix.MixError, match=r"a/latents/00000\.keys\.arrow changed since"):
+        mix.phase_set_for_run(root, catalog(root), p)
+    with pytest.raises(ValueError, match=r"00000\.keys\.arrow changed since"):
+        PhaseSet(phase_dir)
+    shutil.rmtree(root / "runs" / "p1" / "checkpoints")  # started over: mixed anew, and it opens
+    assert not mix.phase_set_for_run(root, catalog(root), p)["reused"]
+    PhaseSet(phase_dir)
