@@ -375,6 +375,23 @@ def cmd_demo(args: argparse.Namespace) -> None:
     demo.main()
 
 
+def cmd_prune_latents(args: argparse.Namespace) -> None:
+    """Kept latents of an old spec that no phase set links (tasks.latents.kept_latents)."""
+    from tasks.latents import kept_latents
+
+    report = kept_latents.prune(data_root(args.data_root), args.sources, delete=args.yes)
+    if not report["files"]:
+        print("nothing to prune: every kept latents file is linked by a phase set")
+        return
+    for path, size in report["files"]:
+        print(f"{path}  {size / 1e6:.1f} MB")
+    total = f"{len(report['files'])} files, {report['bytes'] / 1e9:.3f} GB"
+    if report["deleted"]:
+        print(f"deleted {total}")
+    else:
+        print(f"would delete {total} (a dry run: nothing deleted; run with --yes to delete)")
+
+
 def cmd_stop(args: argparse.Namespace) -> None:
     from flows import local
 
@@ -478,6 +495,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
     _add_finetune_parser(sub)
     _add_eval_parser(sub)
+    p = sub.add_parser(
+        "prune-latents",
+        help="latents of an old spec kept for phase sets that no longer link them: "
+        "list them (default), or delete them with --yes",
+    )
+    p.add_argument("sources", nargs="*", help="only these sources (default: all)")
+    p.add_argument("--yes", action="store_true", help="delete them (default: only list)")
+    p.set_defaults(fn=cmd_prune_latents)
     sub.add_parser(
         "demo", help="the whole chain on the demo source through deployments"
     ).set_defaults(fn=cmd_demo)

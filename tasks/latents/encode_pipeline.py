@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 from sdtrain.lazy import BUILD_LOCK
-from tasks.latents import images
+from tasks.latents import images, kept_latents
 from tasks.latents.encode_spec import LatentSpec, forget_other_spec
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
@@ -256,6 +256,7 @@ class Pipeline:
     ):
         self.root, self.source, self.shards, self.model = root, source, shards, model
         self.spec: LatentSpec = spec
+        self.links = kept_latents.PhaseLinks(root)  # phase sets' links, read if a spec changed
         self.bucketed = not spec.legacy
         self.batch_size, self.size = batch_size, model.resolution
         self.sizes = spec.plan.sizes()  # [K, 2] (width, height)
@@ -313,7 +314,7 @@ class Pipeline:
             for shard in self.shards:
                 if self.stop.is_set():
                     break
-                if forget_other_spec(self.root, self.source, shard, self.spec):
+                if forget_other_spec(self.root, self.source, shard, self.spec, self.links):
                     self.inputs.put(_ShardInput(shard, [], b"", skip=True))
                     continue
                 try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from catalog import Model
 from catalog.buckets import BucketPlan
-from tasks.latents import latent_keys
+from tasks.latents import kept_latents, latent_keys
 from tasks.runtime.shards import ShardStats, done_record, stats_path
 
 STAGE = "latents"
@@ -54,8 +54,7 @@ class LatentSpec:
 
     def digest(self) -> str:
         """A short digest of `to_dict()`: part of the encode task's cache key."""
-        text = json.dumps(self.to_dict(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return kept_latents.spec_digest(self.to_dict())
 
     def __hash__(self) -> int:  # `vae` is a dict
         return hash(self.digest())
@@ -92,14 +91,24 @@ def _encoded_under(record: ShardStats, spec: LatentSpec) -> bool:
     return all(n in record.outputs for n in named)
 
 
-def forget_other_spec(root: Path, source: str, shard: str, spec: LatentSpec) -> bool:
+def forget_other_spec(
+    root: Path,
+    source: str,
+    shard: str,
+    spec: LatentSpec,
+    links: kept_latents.PhaseLinks | None = None,
+) -> bool:
     """True if the shard is done under `spec`; a record of another spec is removed (with a
-    warning), so the shard is encoded again."""
+    warning), so the shard is encoded again. Its files that phase sets link are first kept
+    under their spec's folder (`kept_latents.keep_linked`; `links`: the data root's phase-set
+    links, shared by an encode run)."""
     record = done_record(root, source, STAGE, shard)
     if record is None:
         return False
     if _encoded_under(record, spec):
         return True
     log.warning("encode %s/%s: encoded under another latent spec; encoding it again", source, shard)
+    old_spec = record.extra.get("latent_spec")
+    kept_latents.keep_linked(root, source, shard, old_spec, links or kept_latents.PhaseLinks(root))
     stats_path(root, source, STAGE, shard).unlink(missing_ok=True)
     return False

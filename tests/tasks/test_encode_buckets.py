@@ -438,3 +438,62 @@ def test_a_bucketed_shard_where_no_image_decodes_writes_zero_rows(tmp_path, buck
     assert table.num_rows == 0 and latent_keys.spec(table) == spec.to_dict()
     assert not list((tmp_path / SOURCE / "latents").glob("*.npy"))
     assert encode.shard_done(tmp_path, SOURCE, SHARD, spec)
+
+
+def test_a_re_encode_under_another_spec_keeps_what_phase_sets_link(
+    tmp_path, stored, bucketed, monkeypatch, capsys
+):
+    """Issue 26, item 2: a later phase turns flips on, the source is encoded again, and the
+    earlier phase's set still reads its latents (kept under `latents/spec-<digest>/`) until
+    `sdpipe prune-latents --yes` removes them, once no phase set links them."""
+    import shutil
+
+    from catalog import Catalog, Dataset, FilterProfile, MixEntry, Model, Source
+    from flows.cli import main
+    from sdtrain.data import PhaseSet
+    from tasks.curation import views as views_stage
+    from tasks.phases import mix
+    from tests.tasks.test_mix import phase
+
+    make_shard(tmp_path, stored)
+    plain, flipped = spec_of(bucketed), spec_of(bucketed, flips=True)
+    encode.encode_shard(tmp_path, SOURCE, SHARD, bucketed, batch_size=4, spec=plain)
+    cat = Catalog(
+        sources={SOURCE: Source(name=SOURCE, kind="url", location="x", license="x", profile="p")},
+        profiles={"p": FilterProfile(name="p")},
+        datasets={SOURCE: Dataset(name=SOURCE, source=SOURCE, profile="p")},
+        phases={},
+        models={"m": Model(name="m", resolution=512, unet_config={"x": 1})},
+        directory=tmp_path,
+    )
+    keys = sorted(token_order())
+    view = pa.table({"shard": [SHARD] * len(keys), "key": keys})
+    monkeypatch.setattr(views_stage, "view_key_groups", lambda root, c, d: iter([view]))
+    p = phase(MixEntry(dataset=SOURCE, count=8), seed=1)
+    mix.phase_set_for_run(tmp_path, cat, p)
+    phase_dir = tmp_path / "phases" / "p1"
+    before = [PhaseSet(phase_dir)[i][0] for i in range(8)]
+    (tmp_path / "runs" / "p1" / "checkpoints" / "step-000002").mkdir(parents=True)
+
+    redone = encode.encode_shard(tmp_path, SOURCE, SHARD, bucketed, batch_size=4, spec=flipped)
+    assert not redone.skipped  # the source now holds the flipped spec's files
+    assert {z.shape[1] for z in read_bucketed(tmp_path)[1].values()} == {2}
+    assert mix.phase_set_for_run(tmp_path, cat, p)["reused"]
+    data = PhaseSet(phase_dir)  # the earlier phase resumes (and evaluates) on what it mixed
+    for i, latent in enumerate(before):
+        assert torch.equal(data[i][0], latent)
+    kept = tmp_path / SOURCE / "latents" / f"spec-{plain.digest()}"
+    assert (kept / f"{SHARD}.keys.arrow").is_file()
+
+    def prune(*flags: str) -> str:
+        assert main(["--data-root", str(tmp_path), "prune-latents", *flags]) == 0
+        return capsys.readouterr().out
+
+    assert "nothing to prune" in prune("--yes") and kept.is_dir()  # still linked: kept
+    shutil.rmtree(tmp_path / "runs" / "p1" / "checkpoints")  # p1 started over: mixed anew
+    assert not mix.phase_set_for_run(tmp_path, cat, p)["reused"]
+    listed = prune()  # a dry run by default: lists, deletes nothing
+    assert f"spec-{plain.digest()}/{SHARD}.keys.arrow" in listed and "--yes" in listed
+    assert kept.is_dir()
+    assert "deleted" in prune("--yes") and not kept.exists()
+    PhaseSet(phase_dir)  # the new set reads the current files
