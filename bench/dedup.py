@@ -223,6 +223,8 @@ def bench_semantic(args) -> dict:
             "dropped": int(lost.sum()),
             "num_clusters": index.num_clusters,
             "visits": index.num_visits,
+            # Rows whose next centroid past their visits was within reach (issue 26).
+            "beyond_visits": index.beyond_visits,
             "largest_cluster": index.largest_cluster,
             "rounds": index.rounds,
             "planted_true_pairs": len(true_pairs),

@@ -164,6 +164,7 @@ class _Run:
         self.stages = StageRun(root, src.name)
         self.failures: list[str] = []
         self.permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
+        self.scorer_identity: dict | None = None  # the score stage's (`score.scorer_identity`)
 
     def stage(
         self,
@@ -231,6 +232,7 @@ def run_source(
     scored, scorer = bool(profile.scorer), None
     if scored:
         spec = catalog.scorer(profile.scorer)
+        run.scorer_identity = score.scorer_identity(spec)  # its weights hashed once here
         scorer = Devices(
             f"score-{name}",
             functools.partial(_serve_scores, root, name, spec),
@@ -357,7 +359,15 @@ def _fetch_then_score(run: _Run, units: dict, scorer) -> list[str]:
     device's scorer) as soon as it is fetched, while later shards still download."""
     fetch = run.stage("shards", limit=run.limits["shards"], expected=len(units))
     if scorer is not None:
-        scores = run.stage(score.STAGE, limit=run.limits["scores"], expected=len(units))
+        # A shard is done only as scored by this scorer (its weights' digests, settings).
+        identity = run.scorer_identity
+        scores = run.stage(
+            score.STAGE,
+            limit=run.limits["scores"],
+            expected=len(units),
+            inputs=dict.fromkeys(units, score.identity_digest(identity)),
+            done=functools.partial(score.shard_done, run.root, run.name, identity=identity),
+        )
         fetch.on_done(lambda s, _: scores.add(s, functools.partial(scorer.run, s)))
         fetch.on_end(lambda _: scores.seal())
     for s, fn in units.items():

@@ -2,10 +2,12 @@
 
 The rule (docs/training-data.md, "The sampler"): a bucket's training rows are cut into global
 batches of `batch_size x world_size`; the last, short batch is kept (split among the ranks,
-each at least one row) when at least `world_size` rows remain, else those rows join the
-bucket's previous batch; a bucket with fewer rows than one global batch is left out of the run
-(`small_bucket`). Every rank takes one slice of each global batch, so the global batches of an
-epoch are also each rank's batches (steps before gradient accumulation).
+each at least one row) when at least `world_size` rows remain, else those rows (fewer than the
+ranks) sit the epoch out: no rank ever gets more than `batch_size` rows, and each epoch's
+permutation leaves out other rows (`leftover_rows`, counted). A bucket with fewer rows than one
+global batch is left out of the run (`small_bucket`). Every rank takes one slice of each global
+batch, so the global batches of an epoch are also each rank's batches (steps before gradient
+accumulation).
 
 `sdpipe plan` counts steps with it; the sampler (`sdtrain.data`) cuts its batches by it.
 """
@@ -34,10 +36,21 @@ def batches_per_bucket(counts: np.ndarray, global_batch: int, world_size: int) -
     return np.where(small_buckets(counts, global_batch), 0, batches)
 
 
+def leftover_rows(counts: np.ndarray, global_batch: int, world_size: int) -> np.ndarray:
+    """int64 rows per epoch of each kept bucket that sit the epoch out: its leftover rows after
+    the full batches when fewer than `world_size` (a short batch needs one row per rank, and
+    joining the previous batch would give a rank more than `batch_size`). Other rows each
+    epoch: the last of that epoch's permutation of the bucket."""
+    batches_per_bucket(counts, global_batch, world_size)  # the same checks
+    counts = np.asarray(counts, np.int64)
+    left = counts % global_batch
+    return np.where(small_buckets(counts, global_batch) | (left >= world_size), 0, left)
+
+
 def bucketed_batches(counts: np.ndarray, global_batch: int, world_size: int) -> int:
     """Global batches of an epoch over all buckets (= each rank's batches per epoch): per
     bucket with at least one global batch of rows, its full batches plus a short last batch
-    when its leftover rows are at least `world_size` (fewer join the previous batch)."""
+    when its leftover rows are at least `world_size` (fewer sit the epoch out)."""
     return int(batches_per_bucket(counts, global_batch, world_size).sum())
 
 
@@ -52,8 +65,8 @@ def uses_bucketed_sampler(
 
 def shape_batches(phase_set, sampler) -> list[np.ndarray]:
     """The rows of the first batch of each (bucket, rows on this rank) that the bucketed
-    `sampler` gives this rank in its epoch, each bucket's last short or long batch included
-    (the sizes are the same every epoch)."""
+    `sampler` gives this rank in its epoch, each bucket's last short batch included (the sizes
+    are the same every epoch; none is above `batch_size`)."""
     rank, world_size = sampler.rank, sampler.world_size
     order, starts, sizes = sampler.plan(sampler.epoch)
     base, extra = np.divmod(sizes, world_size)

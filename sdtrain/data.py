@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from sdtrain import fingerprints, layout
-from sdtrain.bucket_batches import bucketed_batches, uses_bucketed_sampler
+from sdtrain.bucket_batches import bucketed_batches, leftover_rows, uses_bucketed_sampler
 from sdtrain.captions import TrainTimeCaptions
 from sdtrain.objective import FLIP_STREAM, LATENT_STREAM, ORDER_STREAM
 
@@ -435,10 +435,13 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
     Per epoch, seeded by (seed, epoch): each bucket's rows are permuted and cut into global
     batches of batch_size x world_size (`bucketed_batches`); the batches of all buckets are
     shuffled together, and rank r takes its slice of each: the rows split as evenly as the
-    count allows, at least one each. Every row of a kept bucket once per epoch, ranks disjoint,
-    every rank the same number of batches. A bucket with fewer rows than one global batch is
-    left out (`left_out`: bucket -> rows, reason `small_bucket`). `start` (set_epoch) counts
-    the global batches of the epoch already done; `len` is what remains.
+    count allows, at least one each, never more than batch_size. Every row of a kept bucket at
+    most once per epoch, ranks disjoint, every rank the same number of batches; a bucket's
+    leftover rows fewer than the ranks sit the epoch out (the last of its permutation: other
+    rows each epoch; `leftover_per_epoch` rows in all, `sdtrain.bucket_batches.leftover_rows`).
+    A bucket with fewer rows than one global batch is left out (`left_out`: bucket -> rows,
+    reason `small_bucket`). `start` (set_epoch) counts the global batches of the epoch already
+    done; `len` is what remains.
 
     Held: the kept rows grouped by bucket (int32), and an epoch's order of them while it runs.
     """
@@ -469,6 +472,7 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
         )
         self.counts = counts[kept]
         self.num_batches = bucketed_batches(counts, self.global_batch, world_size)
+        self.leftover_per_epoch = int(leftover_rows(counts, self.global_batch, world_size).sum())
         self.epoch = 0
         self.start = 0
 
@@ -493,8 +497,8 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
             cut = np.full(full + (rest >= self.world_size), size, np.int64)
             if rest >= self.world_size:
                 cut[-1] = rest  # a short batch of its own, split among the ranks
-            elif rest:
-                cut[-1] += rest  # too few for every rank: they join the previous batch
+            # else: too few for every rank, and joining the previous batch would give a rank
+            # more than batch_size: the permutation's last `rest` rows sit this epoch out.
             starts.append(begin + np.cumsum(cut) - cut)
             sizes.append(cut)
             begin += count

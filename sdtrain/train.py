@@ -572,10 +572,11 @@ def _train(config: TrainConfig, rank: int, world_size: int, device: torch.device
             "seconds": round(time.perf_counter() - started, 3),
             "warm_up": warmed,
         }
-        if bucketed:  # training rows per bucket, and those left out, by reason
+        if bucketed:  # training rows per bucket, those left out by reason, those sitting out
             summary["buckets"] = sampler.buckets
             summary["left_out"] = {SMALL_BUCKET: sum(sampler.left_out.values())}
             summary["small_buckets"] = sampler.left_out
+            summary["leftover_per_epoch"] = sampler.leftover_per_epoch
         write_json_atomic(run_dir / "summary.json", summary)
     return summary
 

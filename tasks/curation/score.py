@@ -17,6 +17,7 @@ weights), kept for the benchmark's baseline.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import tarfile
 from collections import deque
@@ -47,9 +48,14 @@ from tasks.curation.score_nets import (
 
 # The stage's error for a missing or wrong weights file, where the flows and the CLI catch it.
 from tasks.curation.score_nets import ScoringWeightsError as ScoringWeightsError
-from tasks.runtime.shards import ShardStats, run_shard
+
+# The scorer a shard's scores were made by, and its cache-key digest (the flows key by them).
+from tasks.curation.score_nets import identity_digest as identity_digest
+from tasks.curation.score_nets import scorer_identity as scorer_identity
+from tasks.runtime.shards import ShardStats, done_record, run_shard, stats_path
 
 STAGE = "scores"
+log = logging.getLogger(__name__)
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -275,14 +281,17 @@ def normalization(tf, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     return mean, std
 
 
-_scorers: dict[tuple[str, str], Scorer] = {}
+_scorers: dict[tuple[str, str, bool, str], Scorer] = {}
 
 
 def load_scorer(spec: ScoringModel, device: torch.device, *, fast: bool = True) -> Scorer:
     """One Scorer per scoring model, device, path and process, shared by shard tasks in
-    threads."""
+    threads; new weights files (or settings) under the same name build a new one."""
+    if not spec.random_weights:
+        check_weights(spec)
+    identity = identity_digest(scorer_identity(spec))  # digests cached per file
     with BUILD_LOCK:  # open_clip and timm import lazily too: see sdtrain/lazy.py
-        key = (spec.name, str(device), fast)
+        key = (spec.name, str(device), fast, identity)
         if key not in _scorers:
             _scorers[key] = Scorer(spec, device, fast=fast)
         return _scorers[key]
@@ -511,6 +520,43 @@ def score_shard(
         with atomic_path(root / source / STAGE / f"{shard}.parquet") as tmp:
             pq.write_table(out, tmp)
         stats.num_out = out.num_rows
-        stats.extra = {"scorer": spec.name, "device": str(dev)}
+        stats.extra = {"scorer": spec.name, "scorer_identity": identity, "device": str(dev)}
 
+    if not spec.random_weights:  # every missing file named before a digest is taken
+        check_weights(spec)
+    identity = scorer_identity(spec)
+    forget_other_scorer(root, source, shard, identity)
     return run_shard(root, source, STAGE, shard, work)
+
+
+def shard_done(root: Path, source: str, shard: str, identity: dict) -> bool:
+    """The shard's record is there, its outputs intact (`done_record`), and it was scored by
+    the scorer of `identity` (`scorer_identity`): scores of another scorer are not done."""
+    record = done_record(root, source, STAGE, shard)
+    return record is not None and _scored_by(record, identity)
+
+
+def _scored_by(record: ShardStats, identity: dict) -> bool:
+    recorded = record.extra.get("scorer_identity")
+    if recorded is None:  # scored before identities were recorded: its scorer's name only
+        return record.extra.get("scorer") == identity["model"]
+    return recorded == identity
+
+
+def forget_other_scorer(root: Path, source: str, shard: str, identity: dict) -> bool:
+    """True if the shard is scored by `identity`'s scorer; a record of another scorer (other
+    weights or settings under the same name too) is removed, with a warning, so the shard is
+    scored again: its scores, pHashes and embeddings are that scorer's."""
+    record = done_record(root, source, STAGE, shard)
+    if record is None:
+        return False
+    if _scored_by(record, identity):
+        return True
+    log.warning(
+        "score %s/%s: scored by another scorer (%s); scoring it again",
+        source,
+        shard,
+        record.extra.get("scorer_identity") or record.extra.get("scorer"),
+    )
+    stats_path(root, source, STAGE, shard).unlink(missing_ok=True)
+    return False

@@ -5,7 +5,11 @@ error naming a missing one and where its published copy is). tasks/curation/scor
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -150,3 +154,51 @@ def clip_model(spec: ScoringModel, role: str):
         except RuntimeError as e:
             raise ScoringWeightsError(f"{path} is not the {role} model's weights: {e}") from None
     return model
+
+
+# A weights file's digest per (path, size, mtime): hashed once per process, not per shard.
+_digests: dict[tuple[str, int, int], str] = {}
+_digest_lock = threading.Lock()
+
+
+def file_digest(path: Path) -> str:
+    """sha256 (16 hex digits) of a file's bytes, cached in this process by its resolved path,
+    size and modification time (a file replaced under the same name is hashed again)."""
+    path = path.resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    with _digest_lock:  # shard tasks in threads: one of them hashes, the others wait
+        if key not in _digests:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    h.update(block)
+            _digests[key] = h.hexdigest()[:16]
+        return _digests[key]
+
+
+def scorer_identity(spec: ScoringModel) -> dict:
+    """What a shard's scores were made by: the model's name, a digest of its networks'
+    settings (architectures, configs, the watermark side; not the batch size or the files'
+    paths), and each network's weights file digest, or `random` for the seeded random twins.
+    Portable: no path, host or mtime, so a copied data root is done elsewhere."""
+    settings = {
+        k: v
+        for k, v in dataclasses.asdict(spec).items()
+        if k not in ("name", "kind", "batch_size") and not k.endswith("_weights")
+    }
+    text = json.dumps(settings, sort_keys=True)
+    return {
+        "model": spec.name,
+        "config": hashlib.sha256(text.encode()).hexdigest()[:16],
+        "weights": (
+            "random"
+            if spec.random_weights
+            else {role: file_digest(weights_path(spec, role)) for role in ROLES}
+        ),
+    }
+
+
+def identity_digest(identity: dict) -> str:
+    """A short digest of `scorer_identity`: part of the score tasks' cache keys."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]

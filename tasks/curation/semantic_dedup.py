@@ -128,6 +128,9 @@ class SemanticIndex:
         dense_rank = np.empty(n, np.int64)
         dense_rank[order] = np.arange(n)
         self.max_visits = min(max_visits, self.num_clusters - 1)
+        # Rows whose next centroid after their `max_visits` visits was within reach too: a
+        # duplicate in that cluster's cell could be missed (raise `max_visits` if many).
+        self.beyond_visits = 0
         primary, visits = self._assign(seed)
         # Slots: one per (cluster, row) entry, ordered by cluster, then rank.
         visitor_row, visit = np.nonzero(visits >= 0)
@@ -196,10 +199,17 @@ class SemanticIndex:
             rows, emb = read()
             for start in range(0, len(rows), 16384):
                 y = self._unit(emb[start : start + 16384]) - center
-                scores, nearest = _scores(y, centroids, torch.float32).topk(1 + self.max_visits)
+                more = int(k > 1 + self.max_visits)  # one centroid past the visits, to count
+                scores, nearest = _scores(y, centroids, torch.float32).topk(
+                    1 + self.max_visits + more
+                )
                 # y's distance to the bisector of cA, cB: (|y-cA|^2 - |y-cB|^2) / 2|cA-cB|.
                 apart = (centroids[nearest[:, 1:]] - centroids[nearest[:, :1]]).norm(dim=2)
                 to_bisector = (scores[:, :1] - scores[:, 1:]) / apart.clamp_min(1e-6)
+                if more:
+                    self.beyond_visits += int((to_bisector[:, -1] <= reach).sum())
+                    scores, nearest = scores[:, :-1], nearest[:, :-1]
+                    to_bisector = to_bisector[:, :-1]
                 chunk = rows[start : start + 16384]
                 primary[chunk] = nearest[:, 0].cpu().numpy()
                 visits[chunk] = torch.where(to_bisector <= reach, nearest[:, 1:], -1).cpu().numpy()

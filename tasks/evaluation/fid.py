@@ -115,10 +115,17 @@ class FIDFeatures:
 
     @torch.no_grad()
     def __call__(self, images: list[Image.Image]) -> np.ndarray:
-        """float64 [N, 2048] for RGB images of any size (resized as pytorch-fid resizes)."""
-        pixels = torch.stack([_to_tensor(im) for im in images]).to(self.device)
-        x = F.interpolate(pixels, size=(SIDE, SIDE), mode="bilinear", align_corners=False)
+        """float64 [N, 2048] for RGB images of any sizes, in one batch: each image resized
+        alone, as pytorch-fid resizes a batch (bilinear, no antialias): a row per image is the
+        same whatever the sizes of the others."""
+        x = torch.cat([resized(im, self.device) for im in images])
         return self.net(2 * x - 1).double().cpu().numpy()
+
+
+def resized(image: Image.Image, device: torch.device) -> torch.Tensor:
+    """[1, 3, 299, 299] float32 in [0, 1]: pytorch-fid's resize of one image of any size."""
+    pixels = _to_tensor(image)[None].to(device)
+    return F.interpolate(pixels, size=(SIDE, SIDE), mode="bilinear", align_corners=False)
 
 
 def _to_tensor(image: Image.Image) -> torch.Tensor:

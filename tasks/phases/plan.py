@@ -27,6 +27,7 @@ from catalog.buckets import parse as bucket_sides
 from sdtrain.bucket_batches import (
     SMALL_BUCKET,
     batches_per_bucket,
+    leftover_rows,
     small_buckets,
     uses_bucketed_sampler,
 )
@@ -76,6 +77,7 @@ def plan_phase(
     )
     bucket_batch = config.batch_size * world_size  # one global batch of the sampler
     per_bucket = batches_per_bucket(train, bucket_batch, world_size)
+    leftover = leftover_rows(train, bucket_batch, world_size)
     bucketed = uses_bucketed_sampler(
         int(np.count_nonzero(drawn)),
         flips=phase.flip_p > 0,
@@ -94,6 +96,7 @@ def plan_phase(
     )
     global_batch = config.batch_size * world_size * config.grad_accum
     small = small_buckets(train, bucket_batch) & (train > 0) & bucketed
+    columns = [c.tolist() for c in (train, per_bucket, leftover, small, drawn)]
     buckets = [
         {
             "bucket": name,
@@ -101,16 +104,15 @@ def plan_phase(
             "full_batches": int(n // bucket_batch),
             "last_batch": int(n % bucket_batch) if b and n % bucket_batch >= world_size else 0,
             "batches_per_rank": int(b),
+            "leftover_per_epoch": int(rest),
             "left_out": SMALL_BUCKET if left else None,
         }
-        for name, n, b, left, all_rows in zip(
-            names, train.tolist(), per_bucket.tolist(), small.tolist(), drawn.tolist(), strict=True
-        )
+        for name, n, b, rest, left, all_rows in zip(names, *columns, strict=True)
         if all_rows
     ]
     if not bucketed:  # the plain sampler cuts no batch per bucket
         for b in buckets:
-            b["full_batches"] = b["last_batch"] = None
+            b["full_batches"] = b["last_batch"] = b["leftover_per_epoch"] = None
             b["batches_per_rank"] = batches_per_rank
     measured = measured_samples_per_s(root, phase.model)
     samples_to_train = steps * global_batch
@@ -133,6 +135,8 @@ def plan_phase(
                 "samples": sum(b["rows"] for b in buckets if b["left_out"]),
             }
         },
+        # Rows per epoch that sit it out: each bucket's leftover rows fewer than the ranks.
+        "leftover_per_epoch": sum(b["leftover_per_epoch"] or 0 for b in buckets),
         "latents_gb": round(latent_bytes / 1e9, 3),
         "tokens_gb": round(num_samples * TOKEN_BYTES / 1e9, 3),
         "samples_per_s": measured[0] if measured else None,
@@ -256,6 +260,11 @@ def _format_buckets(plan: dict) -> list[str]:
         lines.append(
             f"left out ({SMALL_BUCKET}): {len(small['buckets'])} bucket(s), {small['samples']} "
             f"samples, each under one global batch: {', '.join(small['buckets'])}"
+        )
+    if plan.get("leftover_per_epoch"):
+        lines.append(
+            f"leftover: {plan['leftover_per_epoch']} rows per epoch sit it out (a bucket's rows "
+            "after its batches, fewer than the ranks; other rows each epoch)"
         )
     return lines
 

@@ -73,6 +73,51 @@ def test_fid_features_equal_pytorch_fid(weights_file, monkeypatch):
     assert fid.fid(a, b) > 0
 
 
+def test_fid_features_of_mixed_sizes_are_each_image_alone(weights_file, monkeypatch):
+    """A batch of images of different sizes (a reference folder mixing sizes, held-out images
+    smaller than the model side, banners wider than 4:1) is resized image by image, each as
+    pytorch-fid resizes a batch of one."""
+    pytest.importorskip("pytorch_fid")
+    import pytorch_fid.inception as reference
+    from torchvision.transforms.functional import to_tensor
+
+    state = torch.load(weights_file, weights_only=True)
+    monkeypatch.setattr(reference, "load_state_dict_from_url", lambda *a, **k: state)
+    ref_net = reference.InceptionV3([reference.InceptionV3.BLOCK_INDEX_BY_DIM[2048]]).eval()
+    ours = fid.FIDFeatures(str(weights_file), CPU)
+    banner = scenes([9], side=96)[0].resize((500, 96))  # wider than 4:1
+    images = [*scenes([1], side=64), *scenes([2], side=128), banner]
+    images.append(fid.center_square(banner))
+    mine = ours(images)
+    with torch.no_grad():
+        theirs = np.concatenate(
+            [ref_net(to_tensor(im)[None])[0].flatten(1).double().numpy() for im in images]
+        )
+    assert mine.shape == (4, fid.DIM)
+    np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_a_reference_folder_of_mixed_sizes_gives_moments(weights_file, tmp_path):
+    """COCO val mixes sizes: each image's centered square, resized alone, in one batch."""
+    from types import SimpleNamespace
+
+    from tasks.evaluation import evaluate
+
+    folder = tmp_path / "reference"
+    folder.mkdir()
+    images = [*scenes([1], side=64), *scenes([2], side=128), scenes([3])[0].resize((500, 96))]
+    for i, im in enumerate(images):
+        im.save(folder / f"{i}.png")
+    features = fid.FIDFeatures(str(weights_file), CPU)
+    spec = SimpleNamespace(fid_weights=str(weights_file), fid_random_weights=False)
+    moments = evaluate.reference_moments(tmp_path, folder, features, spec, log=lambda _: None)
+    expected = fid.Moments.empty()
+    for im in images:
+        expected.add(features([fid.center_square(im)]))
+    assert moments.count == 3
+    np.testing.assert_allclose(moments.total, expected.total, rtol=1e-6)
+
+
 def test_frechet_distance_equals_pytorch_fid_full_rank_and_singular():
     pytest.importorskip("pytorch_fid")
     from pytorch_fid.fid_score import calculate_frechet_distance

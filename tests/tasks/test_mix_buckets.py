@@ -252,9 +252,9 @@ def test_bucket_counts_of_a_phase_set(bucketed_root):
 @pytest.mark.parametrize(
     ("counts", "global_batch", "world_size", "batches"),
     [
-        ([20, 11, 5, 9], 8, 2, [3, 2, 0, 1]),  # 20: 2 full + 4 left (a batch); 9: 1 left joins
+        ([20, 11, 5, 9], 8, 2, [3, 2, 0, 1]),  # 20: 2 full + 4 left (a batch); 9: 1 left sits out
         ([16, 8, 7], 8, 2, [2, 1, 0]),  # whole batches only; 7 < one global batch: left out
-        ([11, 12, 15], 8, 4, [1, 2, 2]),  # 3 left < 4 ranks: joins; 4 and 7 left: a batch
+        ([11, 12, 15], 8, 4, [1, 2, 2]),  # 3 left < 4 ranks: sit out; 4 and 7 left: a batch
         ([9, 1], 8, 1, [2, 0]),  # one rank: any leftover is a last batch
         ([], 8, 2, []),
     ],
@@ -297,6 +297,30 @@ def test_plan_shows_bucket_occupancy_per_rank_and_the_small_buckets(tmp_path, mo
     assert "16x16 20 2 4 3" in lines and "24x16 5 0 0 0 left out: small_bucket" in lines
     assert "left out (small_bucket): 1 bucket(s), 5 samples" in text
     assert "steps: 12" in text
+
+
+def test_plan_counts_the_rows_that_sit_each_epoch_out(tmp_path, monkeypatch):
+    """Issue 26: a bucket's leftover rows fewer than the ranks sit the epoch out (joined to
+    the previous batch they gave a rank batch_size + 1 rows): `sdpipe plan` counts them as
+    the sampler leaves them out (`leftover_rows`), and its steps are the sampler's."""
+    from sdtrain.bucket_batches import leftover_rows
+    from sdtrain.data import BucketBatchSampler
+
+    buckets = ["16x16"] * 20 + ["16x24"] * 11 + ["24x16"] * 5 + ["16x32"] * 9
+    keys = bucketed_source(tmp_path, "a", {"00000": buckets[:25], "00001": buckets[25:]})
+    plant_views(monkeypatch, {"a": every_key(keys)})
+    p = phase(MixEntry(dataset="a", count=45), num_val_samples=0, epochs=2)
+    report = plan.plan_phase(tmp_path, catalog(tmp_path, p1=p), p, world_size=2)
+    occupancy = {b["bucket"]: b["leftover_per_epoch"] for b in report["buckets"]}
+    assert occupancy == {"16x16": 0, "16x24": 0, "24x16": 0, "16x32": 1}  # 9 = 8 + 1
+    assert report["leftover_per_epoch"] == 1
+    assert "leftover: 1 rows per epoch sit it out" in plan.format_plan(report)
+    assert leftover_rows(np.array([20, 11, 5, 9]), 8, 2).tolist() == [0, 0, 0, 1]
+    codes = np.repeat(np.arange(4, dtype=np.int32), [20, 11, 5, 9])
+    rows, names = np.arange(45, dtype=np.int32), ["a", "b", "c", "d"]
+    sampler = BucketBatchSampler(rows, codes, names, batch_size=4, seed=0, world_size=2)
+    assert sampler.leftover_per_epoch == 1 and len(sampler) == report["batches_per_rank"]
+    assert max(len(b) for b in sampler) <= 4
 
 
 def test_plan_counts_the_buckets_the_mix_then_draws(bucketed_root):

@@ -228,3 +228,53 @@ def test_score_shard_follows_the_sample_table_not_the_tar(tiny, tmp_path):
     )
     np.testing.assert_array_equal(table["aesthetic"].to_numpy(), expected.aesthetic)
     np.testing.assert_array_equal(table["phash"].to_numpy(), expected.phash)
+
+
+def test_a_shard_scored_by_other_weights_under_the_same_name_is_scored_again(tiny, tmp_path):
+    """Issue 26: the score stage is keyed by the scorer's identity (name, settings, weights
+    files' digests), as encode by its latent spec: new weights under the same name score again
+    (scores, pHashes, embeddings), the same weights skip; weights are hashed once per process."""
+    from tasks.curation import score_nets
+
+    twin = score.load_scorer(tiny, torch.device("cpu"))
+    files = {
+        "embed_weights": save(twin.embed.state_dict(), tmp_path / "embed.bin"),
+        "similarity_weights": save(twin.similarity.state_dict(), tmp_path / "sim.bin"),
+        "aesthetic_weights": save(twin.aesthetic.state_dict(), tmp_path / "aes.pth"),
+        "nsfw_weights": save(twin.nsfw.state_dict(), tmp_path / "nsfw.pth"),
+        "watermark_weights": save(twin.watermark.state_dict(), tmp_path / "wm.pt"),
+    }
+    spec = dataclasses.replace(tiny, name="mine", random_weights=False, **files)
+    keys = [f"k{i}" for i in range(4)]
+    rows = [{"key": k, "caption": f"scene {k}", "status": "success"} for k in keys]
+    root = tmp_path / "root"
+    write_shard(root, "src", {f"{k}.jpg": jpeg(i, 48) for i, k in enumerate(keys)}, rows)
+    out = root / "src" / "scores" / "00000.parquet"
+
+    score_nets._digests.clear()
+    first = score.score_shard(root, "src", "00000", spec, device="cpu")
+    before = pq.read_table(out)["aesthetic"].to_numpy()
+    identity = score.scorer_identity(spec)
+    assert first.extra["scorer_identity"] == identity and identity["model"] == "mine"
+    assert set(identity["weights"]) == {"embed", "similarity", "aesthetic", "nsfw", "watermark"}
+    assert score.score_shard(root, "src", "00000", spec, device="cpu").skipped
+    assert len(score_nets._digests) == 5  # each file hashed once, not per shard or call
+
+    state = {k: v + 0.5 for k, v in twin.aesthetic.state_dict().items()}
+    save(state, tmp_path / "aes.pth")  # new weights, same file name, same scorer name
+    new_identity = score.scorer_identity(spec)
+    assert new_identity["weights"]["aesthetic"] != identity["weights"]["aesthetic"]
+    assert not score.shard_done(root, "src", "00000", new_identity)
+    assert score.shard_done(root, "src", "00000", identity)
+    again = score.score_shard(root, "src", "00000", spec, device="cpu")
+    assert not again.skipped and again.extra["scorer_identity"] == new_identity
+    after = pq.read_table(out)["aesthetic"].to_numpy()
+    assert not np.allclose(after, before)
+    assert score.shard_done(root, "src", "00000", new_identity)
+
+    # Random twins: keyed by their settings, not by a file.
+    random = score.scorer_identity(tiny)
+    assert random["weights"] == "random"
+    other = dataclasses.replace(tiny, watermark_side=tiny.watermark_side * 2)
+    assert score.scorer_identity(other)["config"] != random["config"]
+    assert score.scorer_identity(dataclasses.replace(tiny, batch_size=3)) == random

@@ -161,3 +161,16 @@ def test_a_killed_runs_embeddings_are_removed_by_the_next_run(tmp_path):
         assert Path(work).parent == tmp_path and Path(work).is_dir()
         assert not stale.exists() and running.exists()
     assert not Path(work).exists()
+
+
+def test_rows_with_more_centroids_in_reach_than_visits_are_counted():
+    """Issue 26: a row visits its `max_visits` nearest other clusters only; the rows whose next
+    centroid was within reach too (a duplicate there could be missed) are counted, and none
+    are when every cluster can be visited."""
+    x = np.random.default_rng(5).standard_normal((3000, 32)).astype(np.float32)  # isotropic
+    rank = np.random.default_rng(6).permutation(3000)
+    few = SemanticIndex(Parts.from_array(x), rank, 0.5, num_clusters=12, max_visits=1)
+    every = SemanticIndex(Parts.from_array(x), rank, 0.5, num_clusters=12, max_visits=11)
+    assert few.beyond_visits > 0
+    assert every.beyond_visits == 0
+    assert few.beyond_visits <= 3000
