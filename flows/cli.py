@@ -361,6 +361,7 @@ def cmd_refetch(args: argparse.Namespace) -> int:
             image_size=src.resolution,
             min_side=profile.min_side,
             reasons=reasons,
+            **fetch_images.fetch_limits(src.options),
         )
         if stats is not None:
             changed += 1
