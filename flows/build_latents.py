@@ -425,6 +425,7 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
             s,
             image_size=src.resolution,
             min_side=profile.min_side,
+            **fetch_images.fetch_limits(src.options),
         )
         for s in shard_names
     }

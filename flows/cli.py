@@ -7,7 +7,10 @@ typo fails in a second rather than after a server starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from catalog import CatalogError, load_catalog
@@ -41,6 +44,40 @@ def _user_errors() -> tuple[type[Exception], ...]:
     )
 
 
+@contextlib.contextmanager
+def prefect_api(root: Path) -> Iterator[str]:
+    """The Prefect API this command's flow runs report to: PREFECT_API_URL (or a Prefect
+    profile's) when set, else the data root's local server (`flows.local.ensure_local_api`:
+    the one `make demo` left running, started as it starts it when none is up), so every run
+    shows on one dashboard and no throwaway server per command races its startup timeout.
+    Set for this process and the processes it starts, until the block ends."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if configured := PREFECT_API_URL.value():
+        yield configured
+        return
+    from flows import local
+
+    url, started = local.ensure_local_api(root)
+    if started:
+        print(
+            f"started a Prefect server on {url} for {root} (dashboard "
+            f"{url.removesuffix('/api')}; sdpipe stop stops it)",
+            file=sys.stderr,
+            flush=True,
+        )
+    saved = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        with temporary_settings({PREFECT_API_URL: url}):
+            yield url
+    finally:
+        if saved is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = saved
+
+
 def cmd_catalog(args: argparse.Namespace) -> None:
     c = load_catalog()
     print(f"catalog {c.directory}: ok")
@@ -53,7 +90,10 @@ def cmd_build_latents(args: argparse.Namespace) -> int:
     from flows.build_latents import build_latents, preflight
 
     preflight(args.source, data_root(args.data_root))
-    with progress.watch(data_root(args.data_root), sources=[args.source]):
+    with (
+        prefect_api(data_root(args.data_root)),
+        progress.watch(data_root(args.data_root), sources=[args.source]),
+    ):
         state = build_latents(
             source=args.source,
             data_root=args.data_root,
@@ -69,7 +109,10 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
     from flows.curriculum import curriculum, preflight
 
     _, phase, _ = preflight(args.phase, data_root(args.data_root))
-    with progress.watch(data_root(args.data_root), phases=[phase.name]):
+    with (
+        prefect_api(data_root(args.data_root)),
+        progress.watch(data_root(args.data_root), phases=[phase.name]),
+    ):
         state = curriculum(phase=args.phase, data_root=args.data_root, return_state=True)
     return _report(state)
 
@@ -139,21 +182,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except GenerateError as e:
         print(f"sdpipe: error: {e}", file=sys.stderr)
         return 2
-    state = generate(
-        prompts_file=str(args.prompts.absolute()),
-        weights=str(weights),
-        out_dir=str(args.out.absolute()),
-        per_prompt=args.per_prompt,
-        seed=args.seed,
-        num_steps=args.steps,
-        guidance_scale=args.guidance,
-        negative_prompt=args.negative,
-        live=args.live,
-        batch_size=args.batch_size,
-        num_devices=args.devices,
-        data_root=args.data_root,
-        return_state=True,
-    )
+    with prefect_api(root):
+        state = generate(
+            prompts_file=str(args.prompts.absolute()),
+            weights=str(weights),
+            out_dir=str(args.out.absolute()),
+            per_prompt=args.per_prompt,
+            seed=args.seed,
+            num_steps=args.steps,
+            guidance_scale=args.guidance,
+            negative_prompt=args.negative,
+            live=args.live,
+            batch_size=args.batch_size,
+            num_devices=args.devices,
+            data_root=args.data_root,
+            return_state=True,
+        )
     if code := _report(state):
         return code
     s = state.result()
@@ -178,7 +222,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         settings = {k: v[0] if len(v) == 1 else v for k, v in settings.items()}
         if args.sweep:
             key, values = flow.parse_values(args.sweep)
-            runs = flow.submit_sweep(args.name, key, values, settings)
+            flow.sweep_settings(args.name, key, values, settings)  # before any server starts
+            with prefect_api(root):
+                runs = flow.submit_sweep(args.name, key, values, settings)
         else:
             _, _, warnings = flow.preflight(args.name, settings, root)
             for warning in warnings:
@@ -191,13 +237,15 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             print(f"submitted {run.name} ({key}={value}): finetune/{args.name} run {run.id}")
         if not args.wait:
             return 0
-        ended = flow.wait_for(runs)
+        with prefect_api(root):
+            ended = flow.wait_for(runs)
         for run in ended:
             print(f"{run.name}: {run.state.name}")
         return 0 if all(r.state.is_completed() for r in ended) else 1
-    state = flow.finetune(
-        name=args.name, settings=settings, data_root=args.data_root, return_state=True
-    )
+    with prefect_api(root):
+        state = flow.finetune(
+            name=args.name, settings=settings, data_root=args.data_root, return_state=True
+        )
     if code := _report(state):
         return code
     s = state.result()
@@ -245,14 +293,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from flows.evaluate import evaluate_phase, preflight
 
     name = preflight(args.phase, root)
-    state = evaluate_phase(
-        phase=name,
-        data_root=args.data_root,
-        reference_dir=str(args.reference.absolute()) if args.reference else None,
-        checkpoints=args.checkpoints,
-        num_devices=args.devices,
-        return_state=True,
-    )
+    with prefect_api(root):
+        state = evaluate_phase(
+            phase=name,
+            data_root=args.data_root,
+            reference_dir=str(args.reference.absolute()) if args.reference else None,
+            checkpoints=args.checkpoints,
+            num_devices=args.devices,
+            return_state=True,
+        )
     if code := _report(state):
         return code
     summary = state.result()
@@ -361,6 +410,7 @@ def cmd_refetch(args: argparse.Namespace) -> int:
             image_size=src.resolution,
             min_side=profile.min_side,
             reasons=reasons,
+            **fetch_images.fetch_limits(src.options),
         )
         if stats is not None:
             changed += 1

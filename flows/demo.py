@@ -9,7 +9,6 @@ disk, and the eval's table.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from flows.stages import DISPLAY
 from tasks.evaluation import eval_report
 from tasks.runtime.shards import data_root
 
-DEFAULT_PORT = 4200
+DEFAULT_PORT = local.DEFAULT_PORT
 
 
 class DemoFailed(Exception):
@@ -89,7 +88,7 @@ def format_summary(root: Path, port: int, seconds: float) -> str:
 def main() -> None:
     start = time.monotonic()
     root = data_root()
-    port = int(os.environ.get("SDPIPE_PREFECT_PORT", DEFAULT_PORT))
+    port = local.default_port()
     root.mkdir(parents=True, exist_ok=True)
     print(f"data root: {root}", flush=True)
     if local.ensure_server(root, port):

@@ -213,6 +213,17 @@ def parse_values(text: str) -> tuple[str, list]:
     return key.strip(), [yaml.safe_load(v) for v in values.split(",") if v.strip()]
 
 
+def sweep_settings(name: str, key: str, values: list, settings: dict) -> list[dict]:
+    """The settings of each run of a sweep, each checked as the catalog checks the entry."""
+    spec = load_catalog().finetune(name)
+    runs = []
+    for value in values:
+        run_settings = {**settings, key: value}
+        ft.with_overrides(spec, run_settings)  # a bad value fails before anything is submitted
+        runs.append(run_settings)
+    return runs
+
+
 def submit_sweep(name: str, key: str, values: list, settings: dict) -> list:
     """One flow run of deployment finetune/<name> per value (each checked first, as the
     catalog checks the entry); returns the flow runs. Nothing is submitted if one is bad."""
@@ -220,12 +231,7 @@ def submit_sweep(name: str, key: str, values: list, settings: dict) -> list:
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
 
-    spec = load_catalog().finetune(name)
-    runs = []
-    for value in values:
-        run_settings = {**settings, key: value}
-        ft.with_overrides(spec, run_settings)  # a bad value fails before anything is submitted
-        runs.append(run_settings)
+    runs = sweep_settings(name, key, values, settings)
     deployment = f"finetune/{name}"
     with get_client(sync_client=True) as client:
         try:

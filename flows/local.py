@@ -26,6 +26,7 @@ import psutil
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORK_POOL = "sdpipe"
+DEFAULT_PORT = 4200  # of a data root's server, unless SDPIPE_PREFECT_PORT says otherwise
 
 
 class LocalServerError(Exception):
@@ -94,7 +95,7 @@ def _alive(pid_file: Path) -> bool:
         return False
 
 
-def _start(name: str, command: list[str], root: Path, env: dict[str, str]) -> int:
+def _start(name: str, command: list[str], root: Path, env: dict[str, str], **record: object) -> int:
     log = prefect_dir(root) / f"{name}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -108,7 +109,7 @@ def _start(name: str, command: list[str], root: Path, env: dict[str, str]) -> in
         )
     started = psutil.Process(proc.pid).create_time()
     (prefect_dir(root) / f"{name}.pid").write_text(
-        json.dumps({"pid": proc.pid, "started": started})
+        json.dumps({"pid": proc.pid, "started": started, **record})
     )
     return proc.pid
 
@@ -136,6 +137,7 @@ def ensure_server(
         ],
         root,
         prefect_env(root, port, env),
+        port=port,
     )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -146,6 +148,34 @@ def ensure_server(
         time.sleep(0.5)
     log = prefect_dir(root) / "server.log"
     raise LocalServerError(f"the Prefect server did not start on {url}; see {log}")
+
+
+def default_port() -> int:
+    """Where `make demo` and the CLI start a data root's server: SDPIPE_PREFECT_PORT, else 4200."""
+    return int(os.environ.get("SDPIPE_PREFECT_PORT") or DEFAULT_PORT)
+
+
+def running_server(root: Path) -> str | None:
+    """The API URL of this data root's server when it runs and answers (its port is recorded
+    in `server.pid` when it starts), else None."""
+    pid_file = prefect_dir(root) / "server.pid"
+    try:
+        port = int(json.loads(pid_file.read_text())["port"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    url = api_url(port)
+    return url if _alive(pid_file) and healthy(url) else None
+
+
+def ensure_local_api(root: Path, timeout_s: float = 120) -> tuple[str, bool]:
+    """(API URL, whether this call started its server) of the data root's local server: the
+    one running for this root, else the one on `default_port()` (as `make demo` finds and
+    starts it), started there when none answers. It outlives the command: one dashboard for
+    every run of the root, and no throwaway server per command racing its startup timeout."""
+    if url := running_server(root):
+        return url, False
+    port = default_port()
+    return api_url(port), ensure_server(root, port, timeout_s)
 
 
 def ensure_worker(

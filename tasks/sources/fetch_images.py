@@ -43,6 +43,8 @@ from sdtrain.atomic import atomic_path
 from tasks.latents import images
 from tasks.runtime import concurrency
 from tasks.runtime.shards import ShardStats, bump_generation, run_shard, stats_path, write_record
+from tasks.sources import bounded_download
+from tasks.sources.bounded_download import fetch_limits
 
 STAGE = "shards"
 KEY_COLUMN = "sdpipe_key"
@@ -67,6 +69,8 @@ def drop_reason(error_message: str | None) -> str:
         return "decode_error"
     if "x-robots-tag" in msg:
         return "robots_optout"
+    if "too large" in msg:  # the byte cap (bounded_download)
+        return "too_large"
     if "timed out" in msg or "timeout" in msg:
         return "timeout"
     if "hash mismatch" in msg:
@@ -114,6 +118,7 @@ def serve() -> None:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     lock = threading.Lock()
+    bounded_download.install()  # each download within a wall-clock limit and a byte cap
     resizer = Resizer(
         image_size=0, resize_mode="no", resize_only_if_bigger=False, disable_all_reencoding=True
     )
@@ -128,7 +133,11 @@ def serve() -> None:
                 extract_exif=False,  # not kept: the shard's JSON drops it
                 output_folder=request["output_folder"],
                 column_list=COLUMNS,
-                timeout=request["timeout"],
+                timeout=bounded_download.Limits(
+                    request["timeout"],
+                    request.get("max_seconds", bounded_download.MAX_SECONDS),
+                    request.get("max_bytes", bounded_download.MAX_BYTES),
+                ),
                 number_sample_per_shard=request["rows"],
                 oom_shard_count=5,
                 compute_hash="sha256",
@@ -231,7 +240,8 @@ def fetch_pool(processes: int) -> FetchPool:
 class Download:
     """img2dataset over `table`'s rows (url, caption, key) into `workdir`, images kept as
     served, in pieces on the node's fetch pool; `pieces()` yields each piece's (status
-    parquet with the sdpipe key in KEY_COLUMN, its tar) in order, as soon as it is done."""
+    parquet with the sdpipe key in KEY_COLUMN, its tar) in order, as soon as it is done.
+    Each download ends within `max_seconds` and `max_bytes` (default: `fetch_limits()`)."""
 
     def __init__(
         self,
@@ -241,7 +251,14 @@ class Download:
         thread_count: int | None = None,
         retries: int = 2,
         timeout: int = 10,
+        max_seconds: int | None = None,
+        max_bytes: int | None = None,
     ):
+        limits = fetch_limits()  # each download's: the environment's, else the defaults
+        if max_seconds is not None:
+            limits["max_seconds"] = max_seconds
+        if max_bytes is not None:
+            limits["max_bytes"] = max_bytes
         processes, threads = parallelism(thread_count)
         rows = piece_rows(table.num_rows, processes, threads)
         inputs, self.out = workdir / "in", workdir / "out"
@@ -263,6 +280,7 @@ class Download:
                 thread_count=threads,
                 timeout=timeout,
                 retries=retries,
+                **limits,
             )
             self.futures.append(pool.submit(request))
         self.statuses: list[pa.Table] = []
