@@ -306,10 +306,12 @@ def _export_hf(run: _Run) -> None:
 
 
 def _tokenize_unit(root: Path, name: str, shard: str, budget: int):
-    """tokenize holds the GIL: its shards run in `budget` processes where the budget allows."""
+    """tokenize holds the GIL: its shards run in processes where the budget allows, as many
+    as the budget up to a cap (`concurrency.tokenize_processes`)."""
     if concurrency.use_processes(budget):
+        processes = concurrency.tokenize_processes(budget)
         return functools.partial(
-            concurrency.in_process, budget, tokenize.tokenize_shard, root, name, shard
+            concurrency.in_process, processes, tokenize.tokenize_shard, root, name, shard
         )
     return functools.partial(tokenize.tokenize_shard, root, name, shard)
 

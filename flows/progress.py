@@ -21,6 +21,7 @@ from typing import TextIO
 
 from flows.status import PER_SHARD, STAGES
 from sdtrain.atomic import TMP_MARK
+from tasks.runtime.shards import journal_path
 
 POLL_S = 1.0
 PLAIN_EVERY_S = 30.0
@@ -66,7 +67,7 @@ def format_seconds(seconds: float) -> str:
 
 
 class StageWatch:
-    """One stage folder, read incrementally: only records that appeared since the last poll."""
+    """One stage folder, read incrementally: only what happened since the last poll."""
 
     def __init__(self, root: Path, source: str, stage: str):
         self.root, self.source, self.stage = root, source, stage
@@ -81,11 +82,44 @@ class StageWatch:
         self.longest_s = 0.0  # the longest shard seen: a floor of the time the stage took
         self.last_poll: float | None = None
         self.total: int | None = None
+        self.journal = journal_path(self.dir)
+        self.offset = 0  # how far the journal is read
+        self.folder_mtime: int | None = None
 
     def poll(self, now: float) -> None:
+        """What changed since the last poll. The folder is listed at the first poll (what was
+        done before) and, until the stage starts, when its folder changed; from then on only
+        the lines the stage's progress journal gained are read: a poll costs what happened
+        since the last, not the number of shards."""
         if self.ended is not None:
             return
+        if self.preexisting is None:
+            self.offset = self._journal_size()
+            self._from_listing()
+        elif self.started is None and self._folder_changed():
+            self._from_listing()
+        self._from_journal()
+        if self.started is None and (self.running or len(self.done) > len(self.preexisting)):
+            self.started = now if self.last_poll is None else self.last_poll  # began in between
+        self.last_poll = now
+
+    def _journal_size(self) -> int:
         try:
+            return self.journal.stat().st_size
+        except OSError:
+            return 0
+
+    def _folder_changed(self) -> bool:
+        try:
+            mtime = self.dir.stat().st_mtime_ns
+        except OSError:
+            return False
+        changed, self.folder_mtime = mtime != self.folder_mtime, mtime
+        return changed
+
+    def _from_listing(self) -> None:
+        try:
+            self.folder_mtime = self.dir.stat().st_mtime_ns
             names = [p.name for p in self.dir.iterdir()]
         except OSError:  # not there yet, or being replaced (filter-pixels restarts its folder)
             names = []
@@ -99,14 +133,44 @@ class StageWatch:
                 record = json.loads((self.dir / f"{shard}.stats.json").read_text())
             except (OSError, ValueError):
                 continue  # replaced while read: the next poll reads it
-            self.done[shard] = record["num_in"]
-            if shard not in self.preexisting:
-                self.new_samples += record["num_in"]
-                self.longest_s = max(self.longest_s, record["seconds"])
+            self._done(shard, record["num_in"], record["seconds"])
         self.failed = failures - set(self.done)
-        if self.started is None and (self.running or len(self.done) > len(self.preexisting)):
-            self.started = now if self.last_poll is None else self.last_poll  # began in between
-        self.last_poll = now
+
+    def _from_journal(self) -> None:
+        try:
+            with open(self.journal, "rb") as f:
+                if self.journal.stat().st_size < self.offset:
+                    self.offset = 0  # the journal was started again
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written waits for the next poll
+        self.offset += len(complete)
+        for raw in complete.splitlines():
+            try:
+                event = json.loads(raw)
+                shard, kind = event["shard"], event["event"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if kind == "start":
+                self.running.add(shard)
+            elif kind == "done":
+                self.running.discard(shard)
+                self.failed.discard(shard)
+                self._done(shard, event.get("num_in", 0), event.get("seconds", 0.0))
+            elif kind == "failed":
+                self.running.discard(shard)
+                if shard not in self.done:
+                    self.failed.add(shard)
+
+    def _done(self, shard: str, num_in: int, seconds: float) -> None:
+        if shard in self.done:
+            return
+        self.done[shard] = num_in
+        if shard not in (self.preexisting or ()):
+            self.new_samples += num_in
+            self.longest_s = max(self.longest_s, seconds)
 
     @property
     def active(self) -> bool:
@@ -118,7 +182,8 @@ class StageWatch:
             self.total = 1
         elif self.total is None and self.stage in PER_SHARD:
             for folder in ("filtered", "metadata"):  # URL sources' filter, archives' index
-                shards = list((self.root / self.source / folder).glob("[0-9]*.parquet"))
+                path = self.root / self.source / folder
+                shards = list(path.glob("[0-9]*.parquet")) if path.is_dir() else []
                 if shards:
                     self.total = len(shards)
                     break

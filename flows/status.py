@@ -6,8 +6,9 @@ server down (or never started), from any machine that mounts the data root:
 - a shard is *done* when `<stage>/NNNNN.stats.json` exists (written last, after its outputs);
 - *failed* when `<stage>/NNNNN.failed.json` exists and no stats record does (`run_shard` writes
   it when the shard's work raises, and removes it when a later run succeeds);
-- *running* when hidden temporaries `<stage>/.NNNNN.*.tmp-PID` exist and neither record does:
-  a shard in progress, or one whose process was killed (its next run removes them);
+- *running* when hidden temporaries `<stage>/.NNNNN.*.tmp-PID` or the shard's marker
+  `<stage>/.NNNNN.unit.tmp-running` exist and neither record does: a shard in progress, or one
+  whose process was killed (its next run removes them);
 - *todo* (per-shard stages after filter) the shards the filter wrote that are none of these.
 
 A phase's mix is done when `phases/<phase>/mix.json` exists; its training is done when

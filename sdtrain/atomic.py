@@ -8,6 +8,7 @@ write this way; it lives here, in the lower room, so sdtrain/ never imports task
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
 import shutil
@@ -15,6 +16,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
+# The final paths written through `atomic_path` in this thread since `collect_writes` began.
+_written: contextvars.ContextVar[list[Path] | None] = contextvars.ContextVar(
+    "sdpipe_atomic_writes", default=None
+)
+
+
+@contextlib.contextmanager
+def collect_writes() -> Iterator[list[Path]]:
+    """Yield a list that gathers every final path `atomic_path` renames into place in this
+    thread (and its context) while the block runs: what a shard's work wrote, known without
+    listing its folder. Writes in other threads or processes are not seen."""
+    written: list[Path] = []
+    token = _written.set(written)
+    try:
+        yield written
+    finally:
+        _written.reset(token)
 
 
 @contextlib.contextmanager
@@ -31,6 +49,8 @@ def atomic_path(final: Path) -> Iterator[Path]:
         fsync_path(tmp)  # the bytes are on disk before the name says they are
         os.replace(tmp, final)
         fsync_path(final.parent)  # ... and so is the rename
+        if (written := _written.get()) is not None:
+            written.append(final)
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -16,6 +16,7 @@ docs/training-data.md ("Phase sets", "The sampler").
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -103,7 +104,10 @@ class PhaseSet(Dataset):
         # Mapped on first use: opening reads no file (10,000 shards open in a blink).
         self.latents = _Mapped(latent_paths, [f["latent_rows"] for f in files], tails)
         token_files = [phase_dir / "tokens" / f"{n}.npy" for n in self.names]
-        missing = [f for f, path in enumerate(token_files) if not path.exists()]
+        # One listing of the links, not a stat of each (every rank opens the set; 10,000 shards
+        # on NFS); a link whose target is gone is named when its file is first mapped.
+        linked = _names_in(phase_dir / "tokens")
+        missing = [f for f, n in enumerate(self.names) if f"{n}.npy" not in linked]
         self.tokens = _Mapped(token_files, [f["token_rows"] for f in files])
         if missing:
             self._read_token_parquets(phase_dir, missing)
@@ -363,6 +367,14 @@ class _Mapped:
                 oldest, _ = self.open.popitem(last=False)
                 self.arrays[oldest] = None
         return array
+
+
+def _names_in(folder: Path) -> set[str]:
+    try:
+        with os.scandir(folder) as entries:
+            return {e.name for e in entries}
+    except FileNotFoundError:
+        return set()
 
 
 def default_max_open() -> int:

@@ -114,11 +114,14 @@ def embedded_shard(
     return out
 
 
-def _read_embeddings(path: Path, keys: Sequence[str]) -> tuple[list[str], np.ndarray] | None:
+def _read_embeddings(
+    path: Path, keys: Sequence[str] | pa.Array
+) -> tuple[list[str], np.ndarray] | None:
     """(keys, fp16 [n, D]) of `keys` in a scores/embeddings parquet; None if one is missing."""
     table = pq.read_table(path, columns=["key", "embedding"])
-    table = table.filter(pc.is_in(table["key"], pa.array(list(keys), pa.string())))
-    if table.num_rows < len(set(keys)):
+    wanted = keys if isinstance(keys, pa.Array) else pa.array(list(keys), pa.string())
+    table = table.filter(pc.is_in(table["key"], wanted))
+    if table.num_rows < pc.count_distinct(wanted).as_py():
         return None
     column = table["embedding"].combine_chunks()
     emb = column.flatten().to_numpy(zero_copy_only=False).reshape(table.num_rows, -1)
@@ -136,7 +139,7 @@ class Block:
 
 def training_blocks(
     root: Path,
-    rows: dict[tuple[str, str], list[str]],
+    rows: dict[tuple[str, str], Sequence[str] | pa.Array],
     scorer: Scorer,
     scorer_name: str,
     scored_with: dict[str, str],

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 from catalog import Catalog, EvalSet, load_catalog
+from sdtrain import layout
 from sdtrain.atomic import atomic_path, write_json_atomic
 from sdtrain.checkpoint import CheckpointDir, KeepPolicy
 from sdtrain.config import TrainConfig
@@ -106,11 +107,23 @@ class HeldOut:
         train, val = split_rows(manifest.num_rows, config.num_val_samples, config.seed)
         return cls(manifest, train, val)
 
-    def by_shard(self, rows: np.ndarray) -> dict[tuple[str, str], list[str]]:
-        taken = self.manifest.take(pa.array(rows, pa.int64())).to_pydict()
-        out: dict[tuple[str, str], list[str]] = {}
-        for source, shard, key in zip(taken["source"], taken["shard"], taken["key"], strict=True):
-            out.setdefault((source, shard), []).append(key)
+    def by_shard(self, rows: np.ndarray) -> dict[tuple[str, str], pa.Array]:
+        """The keys of `rows` grouped by (source, shard), in row order within a shard: grouped
+        in Arrow, one Python object per shard, none per row (100M training rows as Python
+        strings would take ~44 GB)."""
+        taken = self.manifest.select(["source", "shard", "key"]).take(pa.array(rows, pa.int64()))
+        sources, source_code = layout.column_codes(taken["source"])
+        shards, shard_code = layout.column_codes(taken["shard"])
+        codes = source_code.astype(np.int64) * max(1, len(shards)) + shard_code
+        order = np.argsort(codes, kind="stable")
+        starts = np.flatnonzero(np.diff(codes[order], prepend=-1)) if len(codes) else order
+        keys = (
+            pa.concat_arrays(taken["key"].chunks) if taken.num_rows else pa.array([], pa.string())
+        )
+        out: dict[tuple[str, str], pa.Array] = {}
+        for a, b in zip(starts.tolist(), [*starts[1:].tolist(), len(order)], strict=True):
+            source, shard = divmod(int(codes[order[a]]), max(1, len(shards)))
+            out[(sources[source], shards[shard])] = keys.take(pa.array(order[a:b]))
         return out
 
 
@@ -301,7 +314,8 @@ def _fid(root, held_out, features, generated, reference_dir, spec, previous, log
         log("FID against held-out images skipped: the phase held out fewer than 2 rows")
     else:
         val = fid.Moments.empty(generated.shape[1])
-        for (source, shard), keys in sorted(held_out.by_shard(held_out.val_rows).items()):
+        for (source, shard), column in sorted(held_out.by_shard(held_out.val_rows).items()):
+            keys = column.to_pylist()  # the held-out rows: a few thousand
             images = eval_metrics.read_shard_images(root, source, shard, set(keys))
             # Shards keep each image's aspect; FID compares the squares the model makes.
             batch = [fid.center_square(images[k]) for k in keys if k in images]

@@ -18,8 +18,19 @@ from tasks.latents.encode_spec import STAGE, LatentSpec
 from tasks.runtime.shards import ShardStats
 
 
-def _remove_stale(root: Path, source: str, shard: str, keep: set[str]) -> None:
-    """Latent files of the shard not written now (another spec's buckets, or its legacy file)."""
+def _encoded_before(root: Path, source: str, shard: str) -> bool:
+    """Whether an earlier encode of the shard got as far as its keys file (written after its
+    latent files), or left a legacy file (an older sdpipe wrote no keys file): only then can
+    latent files of another spec be there to remove. Two stats, not a listing."""
+    folder = root / source / STAGE
+    return latent_keys.path(root, source, shard).exists() or (folder / f"{shard}.npy").exists()
+
+
+def _remove_stale(root: Path, source: str, shard: str, keep: set[str], before: bool) -> None:
+    """Latent files of the shard not written now (another spec's buckets, or its legacy file).
+    The folder (every shard's files) is listed only if the shard was `before` encoded."""
+    if not before:
+        return
     folder = root / source / STAGE
     for p in [*folder.glob(f"{shard}.npy"), *folder.glob(f"{shard}.*.npy")]:
         if p.name not in keep:
@@ -32,8 +43,9 @@ def _commit(
     job = encoded.job
     if job.shard != stats.shard:  # the pipeline yields shards in the order it was given them
         raise RuntimeError(f"encode: got shard {job.shard} for {stats.shard}")
+    before = _encoded_before(root, source, job.shard)
     if not spec.legacy:
-        _commit_bucketed(root, source, model, spec, encoded, stats)
+        _commit_bucketed(root, source, model, spec, encoded, stats, before)
         return
     stats.num_in = job.num_in
     if missing := job.num_in - len(job.keys):
@@ -49,7 +61,7 @@ def _commit(
     latent_keys.write(
         root, source, job.shard, [job.keys[i] for i in kept], [job.token_rows[i] for i in kept]
     )
-    _remove_stale(root, source, job.shard, {f"{job.shard}.npy"})
+    _remove_stale(root, source, job.shard, {f"{job.shard}.npy"}, before)
     stats.extra = {
         "model": model.name,
         "latent_mean": float(as32.mean()) if kept else None,
@@ -60,7 +72,13 @@ def _commit(
 
 
 def _commit_bucketed(
-    root: Path, source: str, model: Model, spec: LatentSpec, encoded: Encoded, stats: ShardStats
+    root: Path,
+    source: str,
+    model: Model,
+    spec: LatentSpec,
+    encoded: Encoded,
+    stats: ShardStats,
+    before: bool,
 ):
     """`NNNNN.WxH.npy` per bucket present, then the keys file naming each row's bucket and row
     there; latent_mean/std are those of view 0's scaled mean (channels 0..3), as the legacy's."""
@@ -99,7 +117,7 @@ def _commit_bucketed(
         spec.to_dict(),
     )
     latent_keys.write_table(latent_keys.path(root, source, job.shard), table)
-    _remove_stale(root, source, job.shard, {f"{job.shard}.{b}.npy" for b in counts})
+    _remove_stale(root, source, job.shard, {f"{job.shard}.{b}.npy" for b in counts}, before)
     stats.num_out = len(kept)
     mean = sums[0] / total if total else None
     stats.extra = {

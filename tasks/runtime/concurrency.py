@@ -14,6 +14,10 @@
 - Stages whose Python holds the GIL (tokenize) run their shards in `process_pool`, `workers`
   processes, where the budget is over `THREADS_UP_TO`; up to it, in the flow's threads (a
   spawned interpreter costs ~3 s of imports, more than two threads lose to the GIL).
+- `SDPIPE_TOKENIZE_PROCESSES`: tokenize's processes, by default the budget up to
+  TOKENIZE_PROCESSES_MAX (16): each is a ~0.5 GB interpreter alive for the whole run, and 16
+  keep encode fed (a CLIP tokenizer does ~10k captions/s per process); 128 on a 128-core node
+  would hold ~64 GB for nothing.
 
 Defaults keep a 2-core machine (CI) at 2 shards at a time, as before.
 """
@@ -91,6 +95,15 @@ def pooled_shards(budget: int | None = None) -> int:
 def use_processes(budget: int | None = None) -> bool:
     """Whether GIL-bound shard work goes to `process_pool` (the budget is over THREADS_UP_TO)."""
     return workers(budget) > THREADS_UP_TO
+
+
+TOKENIZE_PROCESSES_MAX = 16
+
+
+def tokenize_processes(budget: int | None = None) -> int:
+    """tokenize's worker processes: `SDPIPE_TOKENIZE_PROCESSES`, else the budget, at most
+    TOKENIZE_PROCESSES_MAX."""
+    return _env_int("SDPIPE_TOKENIZE_PROCESSES") or min(workers(budget), TOKENIZE_PROCESSES_MAX)
 
 
 _process_pools: dict[int, ProcessPoolExecutor] = {}

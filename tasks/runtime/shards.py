@@ -10,6 +10,14 @@ written by the atomic writes of sdtrain/atomic.py, which the trainer's checkpoin
 A shard whose work raised leaves a failure record `<stage>/NNNNN.failed.json` (error type and
 message, host, pid, time); the shard's next successful run removes it. `sdpipe status` reads
 both records, so it can tell done, running and failed shards with the server down.
+
+Nothing here lists a stage folder per shard (a folder holds every shard's files: 10,000 shards
+with buckets are some 50,000 names, and a listing per shard makes a pass quadratic): a record's
+outputs are the files its work wrote through `atomic_path` (`collect_writes`), and a shard's
+temporaries are looked for only when its marker (`.NNNNN.unit.tmp-running`, there while its work
+runs) says an earlier run of it was killed. Each start, done and failure is also appended to the
+stage's progress journal, `<root>/.progress/<source>/<stage>.jsonl`, which the progress watcher
+reads as it grows instead of listing the folder (best effort: a display, not a record).
 """
 
 from __future__ import annotations
@@ -25,12 +33,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sdtrain.atomic import atomic_path, clean_temporaries, write_json_atomic
+from sdtrain.atomic import (
+    TMP_MARK,
+    atomic_path,
+    clean_temporaries,
+    collect_writes,
+    write_json_atomic,
+)
 
 # The shard name of a unit that is a whole stage (filter, filter-pixels, an adapter's index):
 # it owns every file of its folder, temporaries included.
 WHOLE_STAGE = "all"
 RECORD_SUFFIXES = (".stats.json", ".failed.json")
+# A per-shard unit's marker, there while its work runs (a temporary by name: `sdpipe status`
+# counts it as running, and the cleaning of a killed run's temporaries removes it).
+UNIT_MARK = f"unit{TMP_MARK}running"
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +175,49 @@ def is_done(root: Path, source: str, stage: str, shard: str) -> bool:
     return done_record(root, source, stage, shard) is not None
 
 
-def write_record(record: Path, stats: ShardStats) -> None:
-    """The unit's stats record, with its outputs as they are on disk now; written last."""
-    stats.outputs = unit_files(record.parent, stats.shard)
+def written_files(directory: Path, shard: str, written: list[Path]) -> dict[str, int]:
+    """`unit_files` of the files among `written` (what the unit's work renamed into place):
+    one stat per output, no listing."""
+    out = {}
+    for p in written:
+        if p.parent != directory or not p.name.startswith(f"{shard}."):
+            continue
+        if p.name.endswith(RECORD_SUFFIXES):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # written, then removed by the work
+            out[p.name] = -1 if p.is_dir() else p.stat().st_size
+    return dict(sorted(out.items()))
+
+
+def write_record(record: Path, stats: ShardStats, written: list[Path] | None = None) -> None:
+    """The unit's stats record, with its outputs as they are on disk now; written last.
+
+    `written`: the files the unit's work wrote (`collect_writes`); a shard's outputs are those
+    of them, found without listing the folder. Without them (a whole-stage unit, or work that
+    wrote through other threads) the folder is listed (`unit_files`).
+    """
+    outputs = None
+    if written and stats.shard != WHOLE_STAGE:
+        outputs = written_files(record.parent, stats.shard, written)
+    stats.outputs = outputs or unit_files(record.parent, stats.shard)
     write_json_atomic(record, asdict(stats))
+    journal(record.parent, stats.shard, "done", num_in=stats.num_in, seconds=stats.seconds)
+
+
+def journal_path(directory: Path) -> Path:
+    """The progress journal of the stage folder `<root>/<source>/<stage>`."""
+    return directory.parent.parent / ".progress" / directory.parent.name / f"{directory.name}.jsonl"
+
+
+def journal(directory: Path, shard: str, event: str, **fields) -> None:
+    """Append one event (start, done, failed) of a unit to its stage's progress journal: one
+    short line in one append, whole on a local disk even with many writers. Best effort."""
+    line = json.dumps({"shard": shard, "event": event, **fields}, separators=(",", ":")) + "\n"
+    with contextlib.suppress(OSError):
+        path = journal_path(directory)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(line)
 
 
 def run_shard(
@@ -183,20 +239,42 @@ def run_shard(
     if (stats := done_record(root, source, stage, shard)) is not None:
         stats.skipped = True
         return stats
-    clean_temporaries(record.parent, "" if shard == WHOLE_STAGE else f"{shard}.")
+    marker = start_unit(record.parent, shard)
     stats = ShardStats(stage=stage, source=source, shard=shard)
     start = time.perf_counter() if started is None else started
     failure = failure_path(root, source, stage, shard)
     try:
-        work(stats)
+        with collect_writes() as written:
+            work(stats)
         stats.seconds = round(time.perf_counter() - start, 3)
         stats.check_balanced()
-        write_record(record, stats)
+        write_record(record, stats, written)
     except Exception as e:
         write_failure(failure, e, time.perf_counter() - start)
+        journal(record.parent, shard, "failed")
         raise
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
     failure.unlink(missing_ok=True)
     return stats
+
+
+def start_unit(directory: Path, shard: str) -> Path | None:
+    """Remove what a killed run of the unit left, and mark the unit as running (a per-shard
+    unit; returns its marker). A whole-stage unit owns the folder: its temporaries are all
+    there are, listed once per run. A shard's are looked for only when its marker survived a
+    run of it, one that was killed (work that raises removes its own temporaries)."""
+    journal(directory, shard, "start")
+    if shard == WHOLE_STAGE:
+        clean_temporaries(directory)
+        return None
+    marker = directory / f".{shard}.{UNIT_MARK}"
+    if marker.exists():
+        clean_temporaries(directory, f"{shard}.")
+    directory.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    return marker
 
 
 def write_failure(path: Path, error: BaseException, seconds: float) -> None:
