@@ -53,7 +53,9 @@ def prefect_api(root: Path) -> Iterator[str]:
     Set for this process and the processes it starts, until the block ends."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    if configured := PREFECT_API_URL.value():
+    # The environment first: Prefect's settings are read once, when it is first imported, and
+    # miss a PREFECT_API_URL set after that (a test's session server, a wrapper script).
+    if configured := os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value():
         yield configured
         return
     from flows import local
