@@ -1,7 +1,9 @@
 """The decode-and-batch pipeline of encode: I/O thread -> feeder thread -> decode processes ->
 pinned ring -> side-stream copy -> VAE, so the VAE never waits for data.
 
-Batches never span shards (nor buckets) and always have `batch_size` rows (holes zeroed), so a
+Batches always have `batch_size` rows (holes and padding zeroed) and never span buckets; legacy
+batches never span shards, bucketed ones do (a bucket's unfinished batch waits for the next
+shard's images; `_flush` hands them out when no shard comes). The VAE works per image, so a
 shard's latents are the same bits whatever was encoded before it. Decode pools and CPU lanes are
 kept per size for every later shard."""
 
