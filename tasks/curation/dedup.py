@@ -51,11 +51,14 @@ def semantic_losers(
     *,
     device: str | torch.device | None = None,
     num_clusters: int | None = None,
+    max_visits: int = 2,
 ) -> np.ndarray:
     """Rows dropped as copies (embedding cosine >= `threshold`) of a surviving better-ranked
     row; bool [N]. Small inputs are compared all pairs; larger ones within k-means clusters."""
     parts = Parts.from_array(np.asarray(embeddings))
-    index = SemanticIndex(parts, rank, threshold, device=device, num_clusters=num_clusters)
+    index = SemanticIndex(
+        parts, rank, threshold, device=device, num_clusters=num_clusters, max_visits=max_visits
+    )
     return index.losers()
 
 
@@ -70,10 +73,13 @@ def mark(
     scores_dir: Path | None,
     *,
     device: str | torch.device | None = None,
+    notes: dict | None = None,
 ) -> tuple[int, int]:
     """Mark one level's duplicates among the still-kept rows of table `passing` (column `reason`
     NULL = kept); returns (alone: among all of them, removed: among the still-kept ones).
-    `device`: where semantic similarities are computed (a GPU the caller holds a slot of)."""
+    `device`: where semantic similarities are computed (a GPU the caller holds a slot of).
+    `notes` (semantic): gets `semantic_visits` and `semantic_beyond_visits`, the rows whose
+    next cluster past their visits was within reach (a duplicate there may be missed)."""
     reason = f"duplicate_{level}"
     if level in ("key", "url", "sha256"):
         order = "filename, file_row_number" if level == "key" else "key, filename, file_row_number"
@@ -118,9 +124,13 @@ def mark(
                     rank,
                     profile.semantic_threshold,
                     device=device,
+                    max_visits=profile.semantic_visits,
                     workdir=Path(tmp),
                 )
                 alone, lost = int(index.losers().sum()), index.losers(kept)
+                if notes is not None:
+                    notes["semantic_visits"] = profile.semantic_visits
+                    notes["semantic_beyond_visits"] = index.beyond_visits
                 del index
         else:
             alone, lost = 0, kept
