@@ -26,6 +26,10 @@ from catalog import FilterProfile
 from tasks.curation.phash_dedup import NearHashes
 from tasks.curation.semantic_dedup import Parts, SemanticIndex
 
+# A folder for semantic dedup's cluster-ordered store (a local disk: it is written randomly);
+# unset, the source's folder on the data root.
+SEMANTIC_TEMP_ENV = "SDPIPE_SEMANTIC_TEMP"
+
 # Survivor order of near and semantic duplicates: largest image, then highest aesthetic
 # (NaN: unknown, last), then smallest key.
 RANK_ORDER = (
@@ -117,8 +121,8 @@ def mark(
             near = NearHashes(np.asarray(rows["value"], np.uint64), profile.phash_distance)
             alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
         elif len(ids):
-            # The cluster-ordered embeddings go to disk beside the source, not to memory.
-            with semantic_workdir(scores_dir.parent) as tmp:
+            # The cluster-ordered embeddings go to disk (SEMANTIC_TEMP_ENV), not to memory.
+            with semantic_workdir(semantic_temp(scores_dir.parent)) as tmp:
                 index = SemanticIndex(
                     score_parts(con, scores_dir, len(ids)),
                     rank,
@@ -148,6 +152,13 @@ def _rank_terms(con: duckdb.DuckDBPyConnection) -> list[str]:
     columns = {r[0] for r in con.sql("DESCRIBE passing").fetchall()}
     needs = (("width", "height"), ("aesthetic",), ("key",), ("filename",), ("file_row_number",))
     return [t for t, cols in zip(RANK_ORDER, needs, strict=True) if set(cols) <= columns]
+
+
+def semantic_temp(source_dir: Path) -> Path:
+    """Where semantic dedup's store goes: `SDPIPE_SEMANTIC_TEMP`, else `source_dir`."""
+    folder = Path(os.environ.get(SEMANTIC_TEMP_ENV) or source_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def semantic_workdir(source_dir: Path) -> tempfile.TemporaryDirectory:

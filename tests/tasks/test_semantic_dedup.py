@@ -257,3 +257,26 @@ def test_the_rows_past_their_visits_are_in_the_record_and_the_waterfall(
     assert wf.notes == {"semantic_visits": 5, "semantic_beyond_visits": 17}
     for page in ("gallery.html", "gallery.md"):
         assert "17 rows had another cluster within reach past the 5" in (out / page).read_text()
+
+
+@pytest.mark.parametrize("setting", [False, True])
+def test_the_store_goes_to_the_semantic_temp_folder(fetched, scene, tmp_path, monkeypatch, setting):
+    """Issue 26: `SDPIPE_SEMANTIC_TEMP` names a (local) folder for the cluster-ordered store;
+    unset, it stays beside the source on the data root."""
+    used = []
+
+    class Seen(SemanticIndex):
+        def __init__(self, *args, **kwargs):
+            used.append(Path(kwargs["workdir"]).parent)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(dedup, "SemanticIndex", Seen)
+    local = tmp_path / "local" / "tmp"
+    if setting:
+        monkeypatch.setenv(dedup.SEMANTIC_TEMP_ENV, str(local))
+    else:
+        monkeypatch.delenv(dedup.SEMANTIC_TEMP_ENV, raising=False)
+    planted_source(fetched, scene, tmp_path)
+    filter_stage.select_pixels(tmp_path, "src", PROFILE, scored=True)
+    assert used == [local if setting else tmp_path / "src"]
+    assert list(used[0].glob(".semantic.tmp-*")) == []  # removed after use
