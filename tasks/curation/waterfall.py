@@ -114,8 +114,9 @@ def notes_text(wf: Waterfall) -> str:
     visits = wf.notes.get("semantic_visits")
     return (
         f"Semantic dedup: {beyond} rows had another cluster within reach past the {visits} "
-        "nearest they visit (semantic_visits); a duplicate there may have been missed. "
-        "If that is many, raise the profile's semantic_visits."
+        "nearest they visit (semantic_visits): a duplicate there could have been missed. An "
+        "upper bound: at 1M CLIP-like rows nearly all rows count and none was missed "
+        "(docs/benchmarks.md); raising semantic_visits finds any such (more work)."
     )
 
 
