@@ -551,7 +551,7 @@ def _check_profile(pr: FilterProfile, path: Path) -> None:
         raise CatalogError(
             f"{where}.semantic_threshold: must be within (0, 1], got {pr.semantic_threshold!r}"
         )
-    for fld in ("min_side", "min_caption_words"):
+    for fld in ("min_side", "min_caption_words", "semantic_visits"):
         if getattr(pr, fld) < 0:
             raise CatalogError(f"{where}.{fld}: must be >= 0, got {getattr(pr, fld)!r}")
     for tag, bonus in pr.tag_bonus_scores.items():

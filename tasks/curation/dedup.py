@@ -26,6 +26,10 @@ from catalog import FilterProfile
 from tasks.curation.phash_dedup import NearHashes
 from tasks.curation.semantic_dedup import Parts, SemanticIndex
 
+# A folder for semantic dedup's cluster-ordered store (a local disk: it is written randomly);
+# unset, the source's folder on the data root.
+SEMANTIC_TEMP_ENV = "SDPIPE_SEMANTIC_TEMP"
+
 # Survivor order of near and semantic duplicates: largest image, then highest aesthetic
 # (NaN: unknown, last), then smallest key.
 RANK_ORDER = (
@@ -51,11 +55,14 @@ def semantic_losers(
     *,
     device: str | torch.device | None = None,
     num_clusters: int | None = None,
+    max_visits: int = 2,
 ) -> np.ndarray:
     """Rows dropped as copies (embedding cosine >= `threshold`) of a surviving better-ranked
     row; bool [N]. Small inputs are compared all pairs; larger ones within k-means clusters."""
     parts = Parts.from_array(np.asarray(embeddings))
-    index = SemanticIndex(parts, rank, threshold, device=device, num_clusters=num_clusters)
+    index = SemanticIndex(
+        parts, rank, threshold, device=device, num_clusters=num_clusters, max_visits=max_visits
+    )
     return index.losers()
 
 
@@ -70,10 +77,13 @@ def mark(
     scores_dir: Path | None,
     *,
     device: str | torch.device | None = None,
+    notes: dict | None = None,
 ) -> tuple[int, int]:
     """Mark one level's duplicates among the still-kept rows of table `passing` (column `reason`
     NULL = kept); returns (alone: among all of them, removed: among the still-kept ones).
-    `device`: where semantic similarities are computed (a GPU the caller holds a slot of)."""
+    `device`: where semantic similarities are computed (a GPU the caller holds a slot of).
+    `notes` (semantic): gets `semantic_visits` and `semantic_beyond_visits`, the rows whose
+    next cluster past their visits was within reach (a duplicate there may be missed)."""
     reason = f"duplicate_{level}"
     if level in ("key", "url", "sha256"):
         order = "filename, file_row_number" if level == "key" else "key, filename, file_row_number"
@@ -111,16 +121,20 @@ def mark(
             near = NearHashes(np.asarray(rows["value"], np.uint64), profile.phash_distance)
             alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
         elif len(ids):
-            # The cluster-ordered embeddings go to disk beside the source, not to memory.
-            with semantic_workdir(scores_dir.parent) as tmp:
+            # The cluster-ordered embeddings go to disk (SEMANTIC_TEMP_ENV), not to memory.
+            with semantic_workdir(semantic_temp(scores_dir.parent)) as tmp:
                 index = SemanticIndex(
                     score_parts(con, scores_dir, len(ids)),
                     rank,
                     profile.semantic_threshold,
                     device=device,
+                    max_visits=profile.semantic_visits,
                     workdir=Path(tmp),
                 )
                 alone, lost = int(index.losers().sum()), index.losers(kept)
+                if notes is not None:
+                    notes["semantic_visits"] = profile.semantic_visits
+                    notes["semantic_beyond_visits"] = index.beyond_visits
                 del index
         else:
             alone, lost = 0, kept
@@ -138,6 +152,13 @@ def _rank_terms(con: duckdb.DuckDBPyConnection) -> list[str]:
     columns = {r[0] for r in con.sql("DESCRIBE passing").fetchall()}
     needs = (("width", "height"), ("aesthetic",), ("key",), ("filename",), ("file_row_number",))
     return [t for t, cols in zip(RANK_ORDER, needs, strict=True) if set(cols) <= columns]
+
+
+def semantic_temp(source_dir: Path) -> Path:
+    """Where semantic dedup's store goes: `SDPIPE_SEMANTIC_TEMP`, else `source_dir`."""
+    folder = Path(os.environ.get(SEMANTIC_TEMP_ENV) or source_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def semantic_workdir(source_dir: Path) -> tempfile.TemporaryDirectory:

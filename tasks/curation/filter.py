@@ -281,14 +281,17 @@ def judge(
         num_passing = _scalar(con, "SELECT count(*) FROM passing")
         if num_passing != num_in - sum(c[2] for c in counts):
             raise AssertionError(f"rules counted {num_in} - {counts} but {num_passing} rows pass")
+        notes: dict = {}  # what semantic dedup measured besides its counts
         for level in level_list:
-            marked = dedup.mark(con, profile, level, scores_dir, device=device)
+            marked = dedup.mark(con, profile, level, scores_dir, device=device, notes=notes)
             counts.append((f"duplicate_{level}", *marked))
         samples = sampling.result()
     samples |= _duplicate_samples(con, level_list, pixels=pixels)
-    return waterfall.build(
+    wf = waterfall.build(
         stage=label, profile=profile.name, num_in=num_in, counts=counts, samples=samples
     )
+    wf.notes = notes
+    return wf
 
 
 def _passing(con: duckdb.DuckDBPyConnection, rule_list: list[Rule]) -> None:
@@ -585,6 +588,7 @@ def select_pixels(
             "profile": profile.name,
             "profile_settings": profile_settings(profile),
             "scored": scored,
+            **wf.notes,
         }
         wf.write(out_dir / "waterfall.json", out_dir / "gallery.html")
 

@@ -1,10 +1,22 @@
 """Semantic duplicates at scale, as SemDeDup: k-means, then pairs only within a cluster.
 
 Embeddings stream from their parts (a score shard each) twice: once to assign rows to their
-nearest centroid (a row near a boundary also visits the second nearest, so a pair the boundary
-splits still meets), once to copy them into a cluster-ordered fp16 file; memory holds a part
-and a cluster, never the set. Similarities are screened in bf16/fp16 and every one near the
-threshold is confirmed in float64: CPU and GPU make the same decisions.
+nearest centroid (a row near a boundary also visits the next nearest, up to `max_visits`, so
+a pair the boundary splits still meets), once to copy them into a cluster-ordered fp16 file;
+memory holds a part and a cluster, never the set. Similarities are screened in bf16/fp16 and
+every one near the threshold is confirmed in float64: CPU and GPU make the same decisions.
+
+Bytes per row, N rows of dimension D, m = `max_visits` (the profile's `semantic_visits`), v the
+mean visits a row makes (<= m; 1.14 at 1M CLIP-like rows, m = 2), S = N (1 + v) slots:
+- the cluster-ordered store (disk, under the stage's work folder): fp16, 2 D per slot, so
+  2 D (1 + v) per row: ~3,290 B at D = 768, v = 1.14; at most 2 D (1 + m) = 4,608 B.
+- the index, held for the stage: `slot_row` int64 + `slot_cluster` int32 per slot (12 (1 + v)),
+  `primary_slot` int64 (8) and `visitor_slot` int64 x m (8 m) per row, and `losers`' int8
+  state and three bool masks (4): 24 + 8 m + 12 v = 54 B at m = 2, v = 1.14.
+- while it is built, besides: nearest and visits int32 and gaps float32 (4 + 8 m), then the
+  slots' sort (cluster, rank, key, order, inverse: int64, 40 per slot) and the visits' row
+  and column (int64, 16 v): ~105 B more at the peak, on top of the caller's rank (int64, 8)
+  and the order and dense rank (int64, 16).
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ def build_view(root: Path, catalog: Catalog, dataset: str) -> ShardStats:
             pq.write_table(keys, tmp)
         filter_stage.record(stats, wf)
         stats.extra = {"fingerprint": current, "profile": profile.name, "dataset": dataset}
+        stats.extra |= wf.notes
         wf.write(paths["waterfall"], paths["gallery"])
 
     return run_shard(root, ds.source, STAGE, dataset, work)

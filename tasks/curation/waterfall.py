@@ -47,6 +47,8 @@ class Waterfall:
     steps: list[Step]
     # Up to MAX_SAMPLES rejected rows per reason: key, caption, url, scores, `tar` if fetched.
     samples: dict[str, list[dict]] = field(default_factory=dict)
+    # What a step measured besides its counts (`semantic_visits`, `semantic_beyond_visits`).
+    notes: dict = field(default_factory=dict)
 
     @property
     def dropped(self) -> dict[str, int]:
@@ -86,6 +88,7 @@ def build(
     num_in: int,
     counts: list[tuple[str, int, int]],
     samples: dict[str, list[dict]],
+    notes: dict | None = None,
 ) -> Waterfall:
     """A waterfall from (rule, alone, removed) in rule order."""
     steps, remaining = [], num_in
@@ -99,6 +102,21 @@ def build(
         num_out=remaining,
         steps=steps,
         samples={r: rows for r, rows in samples.items() if rows},
+        notes=dict(notes or {}),
+    )
+
+
+def notes_text(wf: Waterfall) -> str:
+    """The notes in words (plain text), or ""."""
+    beyond = wf.notes.get("semantic_beyond_visits")
+    if beyond is None:
+        return ""
+    visits = wf.notes.get("semantic_visits")
+    return (
+        f"Semantic dedup: {beyond} rows had another cluster within reach past the {visits} "
+        "nearest they visit (semantic_visits): a duplicate there could have been missed. An "
+        "upper bound: at 1M CLIP-like rows nearly all rows count and none was missed "
+        "(docs/benchmarks.md); raising semantic_visits finds any such (more work)."
     )
 
 
@@ -172,6 +190,8 @@ def gallery_html(wf: Waterfall, thumbs: dict[str, str]) -> str:
             f"<td>{s.alone}</td><td>{s.removed}</td><td>{s.remaining}</td></tr>"
         )
     parts.append("</table>")
+    if notes_text(wf):
+        parts.append(f"<p>{esc(notes_text(wf))}</p>")
     for s in wf.steps:
         rows = wf.samples.get(s.rule, [])
         if not rows:
@@ -216,6 +236,8 @@ def artifact_markdown(wf: Waterfall, thumbs: dict[str, str], gallery_path: Path)
             f"{MAX_SAMPLES} per rule). The same gallery as a self-contained page, to share: "
             f"{pictures.md_code(gallery_path, limit=400)}",
         ]
+        if notes_text(wf):
+            lines += ["", md(notes_text(wf))]
         for s in wf.steps:
             rows = wf.samples.get(s.rule, [])
             if not rows:

@@ -9,6 +9,7 @@ import pytest
 
 from catalog import CatalogError, load_catalog
 from catalog.loader import PACKAGED_DIR
+from tests.catalog.test_catalog import edit_entry
 
 
 def append(path: Path, text: str) -> None:
@@ -65,3 +66,14 @@ def test_real_scorer_must_name_every_weights_file(catalog_copy):
     append(catalog_copy / "models.yaml", "half:\n  kind: scoring\n  embed_weights: a.bin\n")
     message = error(catalog_copy)
     assert "models.yaml" in message and "half.similarity_weights" in message
+
+
+def test_semantic_visits_is_a_profile_setting(catalog_copy):
+    """Issue 26: the nearest other clusters semantic dedup visits; 2 unless set, never < 0."""
+    assert load_catalog(catalog_copy).profile("laion-hq").semantic_visits == 2
+    path = catalog_copy / "profiles.yaml"
+    edit_entry(path, "laion-hq", "  min_side: 512\n", "  min_side: 512\n  semantic_visits: 8\n")
+    assert load_catalog(catalog_copy).profile("laion-hq").semantic_visits == 8
+    edit_entry(path, "laion-hq", "  semantic_visits: 8\n", "  semantic_visits: -1\n")
+    with pytest.raises(CatalogError, match=r"laion-hq\.semantic_visits: must be >= 0"):
+        load_catalog(catalog_copy)

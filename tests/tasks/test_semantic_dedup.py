@@ -4,6 +4,7 @@ low-precision screen never decides a pair; embeddings stream from the score shar
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -16,9 +17,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from catalog.schema import FilterProfile
 from tasks.curation import dedup, semantic_dedup
+from tasks.curation import filter as filter_stage
 from tasks.curation.semantic_dedup import Parts, SemanticIndex
-from tests.tasks.test_dedup import assert_one_survivor_per_group, greedy_over_all_pairs
+from tasks.curation.waterfall import Waterfall
+from tests.tasks.test_dedup import (
+    PROFILE,
+    assert_one_survivor_per_group,
+    greedy_over_all_pairs,
+    planted_source,
+)
 
 THRESHOLD = 0.95
 
@@ -174,3 +183,100 @@ def test_rows_with_more_centroids_in_reach_than_visits_are_counted():
     assert few.beyond_visits > 0
     assert every.beyond_visits == 0
     assert few.beyond_visits <= 3000
+
+
+def isotropic_with_copies(n: int = 5000, dim: int = 64) -> np.ndarray:
+    """Isotropic rows (no topics, every boundary crowded) and n/6 near copies of earlier rows."""
+    rng = np.random.default_rng(0)
+    x = normalized(rng.standard_normal((n, dim)))
+    for i in rng.choice(np.arange(1, n), n // 6, replace=False):
+        x[i] = normalized(
+            x[rng.integers(0, i)] + rng.uniform(0.2, 0.45) * normalized(rng.standard_normal(dim))
+        )
+    return x.astype(np.float16)
+
+
+def write_scores(folder: Path, x: np.ndarray) -> list[str]:
+    folder.mkdir()
+    keys = [f"k{i:05d}" for i in range(len(x))]
+    embedding = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
+    pq.write_table(pa.table({"key": keys, "embedding": embedding}), folder / "00000.parquet")
+    return keys
+
+
+@pytest.mark.parametrize("visits", [2, 8])
+def test_the_number_of_visits_is_a_profile_setting(tmp_path, monkeypatch, visits):
+    """Issue 26: on an isotropic set 2 visits (the default) miss duplicates that 8 find; the
+    profile's `semantic_visits` reaches the index, and the rows past it are counted."""
+    # fp32 k-means whatever this CPU's screen dtype: the same clusters on every machine.
+    monkeypatch.setattr(semantic_dedup, "screen", lambda device: (torch.float32, 1e-4))
+    x = isotropic_with_copies()
+    keys = write_scores(tmp_path / "scores", x)
+    expected = greedy_over_all_pairs(all_pairs(x, 0.9), np.arange(len(x)))
+    con = duckdb.connect()
+    con.register("k", pa.table({"key": keys}))
+    con.sql("CREATE TABLE passing AS SELECT key, NULL::VARCHAR AS reason FROM k")
+    profile = FilterProfile(
+        name="p", dedup=("semantic",), semantic_threshold=0.9, semantic_visits=visits
+    )
+    notes: dict = {}
+    alone, removed = dedup.mark(con, profile, "semantic", tmp_path / "scores", notes=notes)
+    dropped = con.sql("SELECT key FROM passing WHERE reason = 'duplicate_semantic'").fetchall()
+    lost = np.isin(keys, [k for (k,) in dropped])
+    assert not (lost & ~expected).any()  # never a row that has no better duplicate
+    if visits == 2:
+        assert (expected & ~lost).sum() > 0  # missed: the copy sat past the visited clusters
+    else:
+        np.testing.assert_array_equal(lost, expected)
+    assert alone == removed == lost.sum()
+    assert notes["semantic_visits"] == visits and notes["semantic_beyond_visits"] > 0
+
+
+def test_the_rows_past_their_visits_are_in_the_record_and_the_waterfall(
+    fetched, scene, tmp_path, monkeypatch
+):
+    """Issue 26: filter-pixels passes the profile's `semantic_visits` to the index and shows
+    the rows past them (`beyond_visits`) in its stats record, waterfall and galleries."""
+    made = []
+
+    class Counted(SemanticIndex):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(kwargs["max_visits"])
+            self.beyond_visits = 17
+
+    monkeypatch.setattr(dedup, "SemanticIndex", Counted)
+    planted_source(fetched, scene, tmp_path)
+    profile = dataclasses.replace(PROFILE, semantic_visits=5)
+    stats = filter_stage.select_pixels(tmp_path, "src", profile, scored=True)
+    assert made == [5]
+    assert stats.extra["semantic_visits"] == 5
+    assert stats.extra["semantic_beyond_visits"] == 17
+    out = tmp_path / "src" / "selected"
+    wf = Waterfall.read(out / "waterfall.json")
+    assert wf.notes == {"semantic_visits": 5, "semantic_beyond_visits": 17}
+    for page in ("gallery.html", "gallery.md"):
+        assert "17 rows had another cluster within reach past the 5" in (out / page).read_text()
+
+
+@pytest.mark.parametrize("setting", [False, True])
+def test_the_store_goes_to_the_semantic_temp_folder(fetched, scene, tmp_path, monkeypatch, setting):
+    """Issue 26: `SDPIPE_SEMANTIC_TEMP` names a (local) folder for the cluster-ordered store;
+    unset, it stays beside the source on the data root."""
+    used = []
+
+    class Seen(SemanticIndex):
+        def __init__(self, *args, **kwargs):
+            used.append(Path(kwargs["workdir"]).parent)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(dedup, "SemanticIndex", Seen)
+    local = tmp_path / "local" / "tmp"
+    if setting:
+        monkeypatch.setenv(dedup.SEMANTIC_TEMP_ENV, str(local))
+    else:
+        monkeypatch.delenv(dedup.SEMANTIC_TEMP_ENV, raising=False)
+    planted_source(fetched, scene, tmp_path)
+    filter_stage.select_pixels(tmp_path, "src", PROFILE, scored=True)
+    assert used == [local if setting else tmp_path / "src"]
+    assert list(used[0].glob(".semantic.tmp-*")) == []  # removed after use
