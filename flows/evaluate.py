@@ -96,30 +96,36 @@ def eval_task(
     with pools.gpu_devices(wanted) as devices:
         logger.info("evaluating %s on %s", phase, ", ".join(map(str, devices)))
         kwargs = dict(devices=devices, reference_dir=reference_dir, log=logger.info)
-        summary = evaluate.evaluate(root, phase, on_progress=on_progress, **kwargs)
-        choice = None
         if checkpoints:
-            choice = _choose(root, phase, summary, kwargs, logger)
+            summary, choice = _choose(root, phase, kwargs, on_progress, logger)
+        else:
+            summary = evaluate.evaluate(root, phase, on_progress=on_progress, **kwargs)
+            choice = None
     publish(root, summary, choice)
     logger.info(eval_report.format_table(summary, _previous(root, summary)))
     return summary
 
 
-def _choose(root: Path, phase: str, final: dict, kwargs: dict, logger) -> dict:
-    metric = load_catalog().eval_set(final["eval_set"]).select_by
+def _choose(root: Path, phase: str, kwargs: dict, on_progress, logger) -> tuple[dict, dict]:
+    """Evaluate final/ and every candidate checkpoint together (one memorisation scan of the
+    training rows for all), link the best; (final's summary, the choice)."""
+    found = evaluate.candidates(root, phase)
+    targets = [
+        (None, None)
+        if name == "final"
+        else (folder, evaluate.eval_dir(root, phase) / "checkpoints" / name)
+        for name, folder, _ in found
+    ]
+    summaries = evaluate.evaluate_many(root, phase, targets, on_progress=on_progress, **kwargs)
+    metric = load_catalog().eval_set(summaries[0]["eval_set"]).select_by
     results = []
-    for name, folder, step in evaluate.candidates(root, phase):
-        if name == "final":
-            summary = final
-        else:
-            out_dir = evaluate.eval_dir(root, phase) / "checkpoints" / name
-            summary = evaluate.evaluate(root, phase, weights=folder, out_dir=out_dir, **kwargs)
+    for (name, folder, step), summary in zip(found, summaries, strict=True):
         value = summary["metrics"]["all"].get(metric)
         results.append({"name": name, "step": step, "weights": str(folder), "value": value})
         logger.info("%s: %s = %s", name, metric, value)
     choice = evaluate.choose_checkpoint(root, phase, metric, results)
     logger.info("best by %s: %s", metric, choice["chosen"]["name"])
-    return choice
+    return summaries[0], choice
 
 
 def _previous(root: Path, summary: dict) -> dict | None:

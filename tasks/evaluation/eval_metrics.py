@@ -183,26 +183,42 @@ class Nearest:
     key: list[str | None]
 
 
-@torch.no_grad()
 def nearest_training(
     generated: np.ndarray, blocks: Iterable[Block], device, query_rows: int = 4096
 ) -> Nearest:
     """Each generation's nearest training image (cosine of unit embeddings), block by block,
     `query_rows` generations at a time (a similarity matrix of at most that x a shard)."""
-    gen = F.normalize(torch.from_numpy(np.asarray(generated, np.float32)).to(device), dim=1)
-    count = len(gen)
-    best = np.full(count, -np.inf)
-    source: list[str | None] = [None] * count
-    shard: list[str | None] = [None] * count
-    key: list[str | None] = [None] * count
+    return nearest_training_many([generated], blocks, device, query_rows)[0]
+
+
+@torch.no_grad()
+def nearest_training_many(
+    generated: Sequence[np.ndarray], blocks: Iterable[Block], device, query_rows: int = 4096
+) -> list[Nearest]:
+    """`nearest_training` of several candidates' generations in one pass over the training
+    blocks: each block is read once and compared with every candidate's generations, each
+    candidate's exactly as a scan of its own would (the same splits, the same numbers). Memory
+    holds one block and all candidates' embeddings."""
+    gens = [
+        F.normalize(torch.from_numpy(np.asarray(g, np.float32)).to(device), dim=1)
+        for g in generated
+    ]
+    best = [np.full(len(g), -np.inf) for g in gens]
+    source: list[list[str | None]] = [[None] * len(g) for g in gens]
+    shard: list[list[str | None]] = [[None] * len(g) for g in gens]
+    key: list[list[str | None]] = [[None] * len(g) for g in gens]
     for block in blocks:
         if not block.keys:
             continue
         train = F.normalize(torch.from_numpy(block.embedding).to(device).float(), dim=1)
-        found = [(q @ train.T).max(dim=1) for q in gen.split(query_rows)]
-        sims = torch.cat([f.values for f in found]).double().cpu().numpy()
-        where = torch.cat([f.indices for f in found]).cpu().numpy()
-        for g in np.flatnonzero(sims > best):
-            best[g] = sims[g]
-            source[g], shard[g], key[g] = block.source, block.shard, block.keys[where[g]]
-    return Nearest(best, source, shard, key)
+        for c, gen in enumerate(gens):
+            if not len(gen):
+                continue
+            found = [(q @ train.T).max(dim=1) for q in gen.split(query_rows)]
+            sims = torch.cat([f.values for f in found]).double().cpu().numpy()
+            where = torch.cat([f.indices for f in found]).cpu().numpy()
+            for g in np.flatnonzero(sims > best[c]):
+                best[c][g] = sims[g]
+                source[c][g], shard[c][g] = block.source, block.shard
+                key[c][g] = block.keys[where[g]]
+    return [Nearest(*parts) for parts in zip(best, source, shard, key, strict=True)]

@@ -142,65 +142,152 @@ def evaluate(
     """Evaluate a phase's weights (default: its final/, EMA unless the eval set says live) on
     its eval set; writes `images/`, `images.parquet`, `inception.npy`, `summary.json` into
     `out_dir` (default `runs/<phase>/eval/`) and returns the summary."""
-    started = time.monotonic()
+    kwargs = dict(devices=devices, reference_dir=reference_dir, catalog=catalog, log=log)
+    return evaluate_many(root, phase, [(weights, out_dir)], on_progress=on_progress, **kwargs)[0]
+
+
+@dataclass(slots=True)
+class _Candidate:
+    """One weights folder's eval up to the memorisation scan, which all candidates share."""
+
+    folder: Path
+    out_dir: Path
+    held_out: HeldOut
+    index: pa.Table
+    rows: list[dict]
+    category: list[str]
+    scores: eval_metrics.ImageScores
+    generated: np.ndarray
+    fid_report: dict
+    losses: dict
+    seconds: dict[str, float]
+    scan_key: tuple  # candidates with the same one share the training rows
+    prepared: float  # seconds up to the memorisation scan
+
+
+def evaluate_many(
+    root: Path,
+    phase: str,
+    targets: list[tuple[str | Path | None, Path | None]],
+    *,
+    devices: list | None = None,
+    reference_dir: str | Path | None = None,
+    catalog: Catalog | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """`evaluate` of several (weights, out_dir) of a phase (a run's final/ and checkpoints): each
+    one's images and scores, then one memorisation scan over the training rows for all those
+    that share them, then each one's files and summary, as `evaluate` of each alone would."""
     catalog = catalog or load_catalog()
     spec_phase, spec = catalog.phase(phase), eval_set_of(catalog, phase)
     check_weights(catalog, spec)
-    folder = resolve_weights(weights) if weights else final_weights(root, spec_phase.name)
-    out_dir = Path(out_dir or eval_dir(root, spec_phase.name))
-    config = TrainConfig.from_json(folder / "config.json")
     devices = [torch.device(d) for d in devices] if devices else [pick_device()]
     device = devices[0]
-    seconds: dict[str, float] = {}
-
-    prompts, categories = prompts_of(spec)
-    log(f"eval {spec_phase.name}: {len(prompts)} prompts x {len(spec.seeds)} seeds ({spec.name})")
-    mark = time.monotonic()
-    index = gen.generate_images(
-        folder,
-        prompts,
-        list(spec.seeds),
-        out_dir / IMAGES,
-        devices=devices,
-        use_ema=spec.use_ema,
-        batch_size=spec.batch_size,
-        on_progress=on_progress,
-    )
-    seconds["generate"] = time.monotonic() - mark
-    rows = index.to_pylist()
-    category = [categories[r["prompt_index"]] for r in rows]
-
-    mark = time.monotonic()
-    scorer = load_scorer(catalog.scorer(spec.scorer), device)
-    features = fid.FIDFeatures(spec.fid_weights, device, random_weights=spec.fid_random_weights)
-    scores, generated = _per_image(out_dir / IMAGES, rows, scorer, features)
-    seconds["clip_aesthetic_inception"] = time.monotonic() - mark
-
-    held_out = HeldOut.of(config)
-    mark = time.monotonic()
-    previous = eval_dir(root, spec_phase.init_from) / FEATURES if spec_phase.init_from else None
-    fid_report = _fid(root, held_out, features, generated, reference_dir, spec, previous, log)
-    seconds["fid"] = time.monotonic() - mark
-
-    mark = time.monotonic()
-    scored_with = {
-        s: catalog.profile(catalog.source(s).profile).scorer
-        for s in set(held_out.manifest["source"].to_pylist())
-        if s in catalog.sources
-    }
-    blocks = eval_metrics.Counted(
-        eval_metrics.training_blocks(
-            root, held_out.by_shard(held_out.train_rows), scorer, spec.scorer, scored_with
+    scorer = features = None
+    candidates_: list[_Candidate] = []
+    for k, (weights, out_dir) in enumerate(targets):
+        started = time.monotonic()
+        folder = resolve_weights(weights) if weights else final_weights(root, spec_phase.name)
+        out_dir = Path(out_dir or eval_dir(root, spec_phase.name))
+        config = TrainConfig.from_json(folder / "config.json")
+        seconds: dict[str, float] = {}
+        prompts, categories = prompts_of(spec)
+        log(
+            f"eval {spec_phase.name}: {len(prompts)} prompts x {len(spec.seeds)} seeds "
+            f"({spec.name})"
         )
-    )
-    nearest = eval_metrics.nearest_training(scores.embedding, blocks, device)
+        mark = time.monotonic()
+        index = gen.generate_images(
+            folder,
+            prompts,
+            list(spec.seeds),
+            out_dir / IMAGES,
+            devices=devices,
+            use_ema=spec.use_ema,
+            batch_size=spec.batch_size,
+            on_progress=on_progress and _progress_of(on_progress, k, len(targets)),
+        )
+        seconds["generate"] = time.monotonic() - mark
+        rows = index.to_pylist()
+
+        mark = time.monotonic()
+        if scorer is None:
+            scorer = load_scorer(catalog.scorer(spec.scorer), device)
+            features = fid.FIDFeatures(
+                spec.fid_weights, device, random_weights=spec.fid_random_weights
+            )
+        scores, generated = _per_image(out_dir / IMAGES, rows, scorer, features)
+        seconds["clip_aesthetic_inception"] = time.monotonic() - mark
+
+        held_out = HeldOut.of(config)
+        mark = time.monotonic()
+        previous = eval_dir(root, spec_phase.init_from) / FEATURES if spec_phase.init_from else None
+        fid_report = _fid(root, held_out, features, generated, reference_dir, spec, previous, log)
+        seconds["fid"] = time.monotonic() - mark
+
+        mark = time.monotonic()
+        losses = _val_losses(folder, config, held_out, spec, device)
+        seconds["val_loss"] = time.monotonic() - mark
+        category = [categories[r["prompt_index"]] for r in rows]
+        scan_key = (str(Path(config.phase_dir).resolve()), config.num_val_samples, config.seed)
+        candidates_.append(
+            _Candidate(
+                folder, out_dir, held_out, index, rows, category, scores, generated,
+                fid_report, losses, seconds, scan_key,
+                time.monotonic() - started,
+            )
+        )  # fmt: skip
+
+    scanned = _memorisation(root, catalog, spec, candidates_, scorer, device)
+    return [
+        _finish(spec_phase, spec, c, blocks, nearest)
+        for c, (blocks, nearest) in zip(candidates_, scanned, strict=True)
+    ]
+
+
+def _progress_of(on_progress: Callable[[int, int], None], k: int, n: int):
+    """The k-th of n candidates' progress as a share of all candidates' images."""
+    return lambda done, total: on_progress(k * total + done, n * total)
+
+
+def _memorisation(root, catalog, spec, candidates_: list[_Candidate], scorer, device) -> list:
+    """(counted blocks, nearest) of each candidate: one scan of the training rows for all
+    candidates whose trainer held out the same rows of the same phase set (one block of training
+    rows in memory at a time)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, c in enumerate(candidates_):
+        groups.setdefault(c.scan_key, []).append(i)
+    out: list = [None] * len(candidates_)
+    for members in groups.values():
+        mark = time.monotonic()
+        held_out = candidates_[members[0]].held_out
+        scored_with = {
+            s: catalog.profile(catalog.source(s).profile).scorer
+            for s in set(held_out.manifest["source"].to_pylist())
+            if s in catalog.sources
+        }
+        blocks = eval_metrics.Counted(
+            eval_metrics.training_blocks(
+                root, held_out.by_shard(held_out.train_rows), scorer, spec.scorer, scored_with
+            )
+        )
+        embeddings = [candidates_[i].scores.embedding for i in members]
+        found = eval_metrics.nearest_training_many(embeddings, blocks, device)
+        for i, nearest in zip(members, found, strict=True):
+            out[i] = (blocks, nearest)
+            candidates_[i].seconds["memorisation"] = time.monotonic() - mark  # shared
+    return out
+
+
+def _finish(spec_phase, spec: EvalSet, c: _Candidate, blocks, nearest) -> dict:
+    """The candidate's table, summary and files, once its nearest training images are known."""
+    rows, category, scores, index = c.rows, c.category, c.scores, c.index
+    fid_report, losses, seconds, folder, out_dir = (
+        c.fid_report, c.losses, c.seconds, c.folder, c.out_dir
+    )  # fmt: skip
+    generated, finishing = c.generated, time.monotonic()
     memorised = nearest.similarity >= spec.memorisation_threshold
-    seconds["memorisation"] = time.monotonic() - mark
-
-    mark = time.monotonic()
-    losses = _val_losses(folder, config, held_out, spec, device)
-    seconds["val_loss"] = time.monotonic() - mark
-
     clip = eval_metrics.clip_score(scores.cosine)
     table = pa.table(
         {
@@ -266,7 +353,7 @@ def evaluate(
             ],
         },
         "seconds": {k: round(v, 2) for k, v in seconds.items()}
-        | {"total": round(time.monotonic() - started, 2)},
+        | {"total": round(c.prepared + seconds["memorisation"] + time.monotonic() - finishing, 2)},
     }
     with atomic_path(out_dir / SCORES) as tmp:
         pq.write_table(table, tmp)

@@ -203,3 +203,28 @@ def test_nearest_training_image_equals_brute_force():
     np.testing.assert_allclose(got.similarity, sims.max(1), atol=1e-5)
     assert got.key[4] == "k23" and got.similarity[4] > 0.9999
     assert got.shard[4] == "00002"
+
+
+def test_one_scan_for_several_candidates_equals_a_scan_of_each():
+    rng = np.random.default_rng(2)
+    candidates = [rng.standard_normal((n, 16)).astype(np.float32) for n in (7, 3, 0, 5)]
+    train = rng.standard_normal((60, 16)).astype(np.float16)
+    train[41] = candidates[1][2]  # a copy of one candidate's generation
+    train[7] = candidates[3][0]
+    reads = []
+
+    def blocks():
+        for i in range(6):
+            reads.append(i)
+            keys = [f"k{j}" for j in range(i * 10, i * 10 + 10)]
+            yield eval_metrics.Block("s", f"{i:05d}", keys, train[i * 10 : i * 10 + 10], False)
+
+    alone = [eval_metrics.nearest_training(g, blocks(), CPU, query_rows=2) for g in candidates]
+    reads.clear()
+    together = eval_metrics.nearest_training_many(candidates, blocks(), CPU, query_rows=2)
+    assert reads == list(range(6))  # the training rows read once for all candidates
+    for a, b in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(a.similarity, b.similarity)  # the same numbers
+        assert (a.source, a.shard, a.key) == (b.source, b.shard, b.key)
+    assert together[1].key[2] == "k41" and together[3].key[0] == "k7"
+    assert len(together[2].similarity) == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,6 +103,35 @@ def test_the_planted_training_copy_is_the_worst_pair(evaluated):
     assert [w["similarity"] for w in memo["worst"]] == sorted(
         [w["similarity"] for w in memo["worst"]], reverse=True
     )
+
+
+def test_candidates_share_one_memorisation_scan_with_each_ones_own_results(
+    evaluated, tmp_path, monkeypatch
+):
+    root, final = evaluated
+    other = eval_data.write_weights(tmp_path / "other", root / "phases" / "demo", seed_offset=30)
+    out = tmp_path / "other-eval"
+    alone = evaluate.evaluate(root, "demo", weights=other, out_dir=out, devices=["cpu"])
+    alone_table = pq.read_table(out / evaluate.SCORES)
+    shutil.copytree(root / "runs" / "demo" / "eval" / evaluate.IMAGES, tmp_path / "f" / "images")
+    scans = []
+    real = eval_metrics.training_blocks
+    monkeypatch.setattr(
+        eval_metrics, "training_blocks", lambda *a, **k: scans.append(a) or real(*a, **k)
+    )
+    targets = [(None, tmp_path / "f"), (other, out)]  # images already there: none made again
+    together = evaluate.evaluate_many(root, "demo", targets, devices=["cpu"])
+    assert len(scans) == 1  # the training rows scanned once for both candidates
+    final_table = pq.read_table(root / "runs" / "demo" / "eval" / evaluate.SCORES)
+    for before, table, after, folder in (
+        (final, final_table, together[0], tmp_path / "f"),
+        (alone, alone_table, together[1], out),
+    ):
+        assert after["metrics"] == before["metrics"]  # memorised share included
+        assert after["memorisation"] == before["memorisation"]
+        assert after["weights"] == before["weights"]
+        assert pq.read_table(folder / evaluate.SCORES).equals(table)
+    assert together[0]["weights"] != together[1]["weights"]
 
 
 def test_an_unscored_source_is_embedded_once_from_its_images(evaluated, tmp_path):
