@@ -67,12 +67,8 @@ def shape_batches(phase_set, sampler) -> list[np.ndarray]:
     """The rows of the first batch of each (bucket, rows on this rank) that the bucketed
     `sampler` gives this rank in its epoch, each bucket's last short batch included (the sizes
     are the same every epoch; none is above `batch_size`)."""
-    rank, world_size = sampler.rank, sampler.world_size
-    order, starts, sizes = sampler.plan(sampler.epoch)
-    base, extra = np.divmod(sizes, world_size)
-    mine = base + (rank < extra)
-    low = starts + rank * base + np.minimum(rank, extra)
-    buckets = np.asarray(phase_set.bucket_of_row)[order[starts]]
+    order, low, mine = sampler.rank_batches(sampler.epoch)
+    buckets = np.asarray(phase_set.bucket_of_row)[order[low]]  # a batch is of one bucket
     _, first = np.unique(np.stack([buckets, mine], 1), axis=0, return_index=True)
     return [order[low[i] : low[i] + mine[i]] for i in np.sort(first).tolist()]
 

@@ -519,13 +519,17 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
         taken = rng.permutation(len(sizes))
         return order, starts[taken], sizes[taken]
 
+    def rank_batches(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows in the epoch's order, each global batch's first row of this rank in it, this
+        rank's rows of it), in the order the batches are taken: the rows split as evenly as the
+        count allows, the first `size % world_size` ranks one more."""
+        order, starts, sizes = self.plan(epoch)
+        base, extra = np.divmod(sizes, self.world_size)
+        low = starts + self.rank * base + np.minimum(self.rank, extra)
+        return order, low, base + (self.rank < extra)
+
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        order, starts, sizes = self.plan(self.epoch)
-        rank, world_size, epoch = self.rank, self.world_size, self.epoch
-        for start, size in zip(
-            starts[self.start :].tolist(), sizes[self.start :].tolist(), strict=True
-        ):
-            base, extra = divmod(size, world_size)
-            low = start + rank * base + min(rank, extra)
-            high = low + base + (rank < extra)
-            yield [(row, epoch) for row in order[low:high].tolist()]
+        order, low, count = self.rank_batches(self.epoch)
+        epoch = self.epoch
+        for first, n in zip(low[self.start :].tolist(), count[self.start :].tolist(), strict=True):
+            yield [(row, epoch) for row in order[first : first + n].tolist()]
