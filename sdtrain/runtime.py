@@ -144,13 +144,19 @@ class StopRequest:
                 signal.signal(s, handler)
 
 
+def allow_recompiles(count: int) -> None:
+    """Room for `count` compiled graphs per function (one per input shape) before torch falls
+    back to eager; never lowers what was set before."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), count))
+
+
 def compiled(module: torch.nn.Module, *, shapes: int) -> torch.nn.Module:
     """`module` compiled for `shapes` batch shapes: one static graph each (minutes each for
     SD1.5: one graph over symbolic shapes failed to compile the tiny UNet, torch 2.14), with room
     for all of them before torch would fall back to eager."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), shapes + 8))
+    allow_recompiles(shapes + 8)
     return torch.compile(module, dynamic=False)
 
 

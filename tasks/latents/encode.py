@@ -39,6 +39,7 @@ from catalog import Catalog, Model, needs_flips
 from sdtrain.atomic import write_json_atomic
 from sdtrain.lazy import BUILD_LOCK
 from sdtrain.models import build_vae
+from sdtrain.runtime import allow_recompiles
 from tasks.latents import images, latent_keys
 from tasks.latents.encode_pipeline import (
     Pipeline,
@@ -206,7 +207,7 @@ def view_encoder(
 def _compiled(encode: Callable) -> Callable:
     """`encode` compiled per input shape (each bucket's batch is one shape), with room for every
     bucket of a plan before torch would fall back to eager."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    allow_recompiles(64)
     return torch.compile(encode, dynamic=False)
 
 
