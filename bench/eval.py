@@ -163,7 +163,7 @@ def main() -> None:
         "images_per_s": round(summary["num_images"] / seconds["generate"], 3),
         "rerun_seconds": again["seconds"],  # nothing left to generate or embed
         "setup_seconds": round(setup, 1),
-    }, indent=1))  # fmt: skip
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def main() -> int:
                 "python": platform.python_version(),
             }
         )
-        print(json.dumps(result, indent=1))
+        print(json.dumps(result))
         return 0 if completed == args.shards == record["done"] else 1
     finally:
         local.stop(root)
