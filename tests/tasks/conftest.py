@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
 import tarfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -73,3 +77,22 @@ def fetched():
 @pytest.fixture
 def scene():
     return scene_jpeg
+
+
+@contextmanager
+def loopback_server(handler: type, request_queue_size: int = 5) -> Iterator[str]:
+    """`handler` served on 127.0.0.1 (a free port, a thread per request) while the block runs:
+    its base URL. Shut down and closed at the end."""
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+
+    Server.request_queue_size = request_queue_size
+    server = Server(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -17,6 +17,7 @@ import pytest
 
 from tasks.sources import fetch_images
 from tests.tasks import bad_images as bad
+from tests.tasks.conftest import loopback_server
 
 SIZE = 32
 DRIP_S = 0.2  # the endless server's pause between writes: far below the socket timeout
@@ -83,18 +84,11 @@ def misbehaving_server() -> Iterator[tuple[str, dict]]:
         def log_message(self, *args):
             pass
 
-    class Server(http.server.ThreadingHTTPServer):
-        daemon_threads = True
-
-    server = Server(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", counts
-    finally:
-        stop.set()
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Handler) as url:
+        try:
+            yield url, counts
+        finally:
+            stop.set()  # before the shutdown: it waits for the streaming handlers
 
 
 def _download(url: str, **limits) -> tuple[object, str | None, float]:

@@ -19,6 +19,7 @@ from tasks.latents import images
 from tasks.runtime import concurrency
 from tasks.sources import fetch_images
 from tests.tasks import bad_images as bad
+from tests.tasks.conftest import loopback_server
 
 SIZE = 32
 FETCH_ENV = ("SDPIPE_WORKERS", "SDPIPE_FETCH_PROCESSES", "SDPIPE_FETCH_THREADS")
@@ -91,18 +92,8 @@ def slow_server(body: bytes, delay_s: float) -> Iterator[tuple[str, dict]]:
         def log_message(self, *args):
             pass
 
-    class Server(http.server.ThreadingHTTPServer):
-        request_queue_size = 256
-        daemon_threads = True
-
-    server = Server(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", counts
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_server(Handler, request_queue_size=256) as url:
+        yield url, counts
 
 
 def test_a_shard_downloads_on_the_nodes_processes_in_pieces(tmp_path, no_fetch_env):
