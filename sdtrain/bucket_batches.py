@@ -73,12 +73,13 @@ def shape_batches(phase_set, sampler) -> list[np.ndarray]:
     return [order[low[i] : low[i] + mine[i]] for i in np.sort(first).tolist()]
 
 
-def warm_up_batches(loader, phase_set=None, sampler=None):
+def warm_up_batches(loader, phase_set=None, sampler=None, shapes=None):
     """One batch of each shape this rank's loader will give (`runtime.warm_up`), collated as the
     loader collates: bucketed (`sampler`, a BucketBatchSampler over `phase_set`), those of
-    `shape_batches` (epoch `sampler.epoch`); else the loader's first batch."""
+    `shape_batches` (epoch `sampler.epoch`; `shapes`: its result, when the caller has it);
+    else the loader's first batch."""
     if sampler is None:
         yield loader.collate_fn([loader.dataset[i] for i in range(loader.batch_size)])
         return
-    for rows in shape_batches(phase_set, sampler):
+    for rows in shape_batches(phase_set, sampler) if shapes is None else shapes:
         yield loader.collate_fn([phase_set[int(r), sampler.epoch] for r in rows])

@@ -193,7 +193,8 @@ def prepare_steps(
     warmed, seconds)."""
     loader, phase_set, sampler = data
     module = mode.ddp_module(unet, text_encoder)
-    shapes = 1 if sampler is None else len(shape_batches(phase_set, sampler))
+    rows = None if sampler is None else shape_batches(phase_set, sampler)  # the epoch's plan
+    shapes = 1 if rows is None else len(rows)
     on = config.compile
     if on:
         module = compiled(module, shapes=shapes)
@@ -204,7 +205,7 @@ def prepare_steps(
             with autocast():
                 return mode.loss(module, batch, epoch=0)
 
-        batches = warm_up_batches(loader, phase_set, sampler)
+        batches = warm_up_batches(loader, phase_set, sampler, shapes=rows)
         ran, seconds = warm_up(loss_of, batches, [*unet.parameters(), *text_encoder.parameters()])
         record.update(shapes=ran, seconds=round(seconds, 3))
         if rank == 0:
