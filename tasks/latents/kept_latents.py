@@ -46,6 +46,7 @@ class PhaseLinks:
     def __init__(self, root: Path):
         self.root = Path(root)
         self._by_target: dict[str, list[Path]] | None = None
+        self._by_shard: dict[tuple[str, str], set[str]] = {}  # (folder, shard) -> targets
 
     def by_target(self) -> dict[str, list[Path]]:
         if self._by_target is None:
@@ -59,8 +60,20 @@ class PhaseLinks:
                     if entry.is_symlink():
                         target = _norm(os.path.join(latents, os.readlink(entry.path)))
                         found.setdefault(target, []).append(Path(entry.path))
+                        self._index(target)
             self._by_target = found
         return self._by_target
+
+    def _index(self, target: str) -> None:
+        folder, name = os.path.split(target)
+        self._by_shard.setdefault((folder, name.split(".", 1)[0]), set()).add(target)
+
+    def linked_in(self, folder: Path, shard: str) -> list[Path]:
+        """The shard's files in `folder` that a phase set links (`NNNNN.npy`, `NNNNN.WxH.npy`)
+        and that are there: from the index, no listing of the folder."""
+        self.by_target()
+        targets = self._by_shard.get((_norm(folder), shard), set())
+        return [Path(t) for t in sorted(targets) if t.endswith(".npy") and os.path.exists(t)]
 
     def links_to(self, path: Path) -> list[Path]:
         return self.by_target().get(_norm(path), [])
@@ -68,12 +81,15 @@ class PhaseLinks:
     def moved(self, old: Path, new: Path) -> None:
         """Re-point the links to `old` at `new` (each link swapped in one rename)."""
         links = self.by_target().pop(_norm(old), [])
+        folder, name = os.path.split(_norm(old))
+        self._by_shard.get((folder, name.split(".", 1)[0]), set()).discard(_norm(old))
         for link in links:
             tmp = link.with_name(f".{link.name}.{os.getpid()}.relink")
             tmp.unlink(missing_ok=True)
             os.symlink(os.path.relpath(new, link.parent), tmp)
             os.replace(tmp, link)
         self.by_target().setdefault(_norm(new), []).extend(links)
+        self._index(_norm(new))
 
 
 def keep_linked(
@@ -83,8 +99,7 @@ def keep_linked(
     folder of the spec they were encoded under, re-pointing the links; returns where they went
     (nothing when no set links them)."""
     folder = root / source / latent_keys.STAGE
-    files = [*folder.glob(f"{shard}.npy"), *folder.glob(f"{shard}.*.npy")]
-    linked = [f for f in files if links.links_to(f)]
+    linked = links.linked_in(folder, shard)  # one index lookup: no listing per shard
     if not linked:
         return []
     kept = folder / f"{KEPT}{spec_digest(spec)}"
