@@ -72,3 +72,25 @@ def prefect_stack(tmp_path_factory, small_catalog):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# Worker nodes of the shared local Ray cluster (tests/ray_cluster.py).
+CLUSTER_NODES = 3
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster of `CLUSTER_NODES` worker nodes (2 CPUs each) and a CPU-less head,
+    shared by the test process's cluster tests; each test gets it back with every node."""
+    from tests.ray_cluster import local_cluster
+
+    with local_cluster(CLUSTER_NODES) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster(ray_cluster):
+    """The shared cluster, its nodes restored after the test (one it killed is replaced)."""
+    yield ray_cluster
+    ray_cluster.ensure(CLUSTER_NODES)
+
