@@ -93,4 +93,3 @@ def cluster(ray_cluster):
     """The shared cluster, its nodes restored after the test (one it killed is replaced)."""
     yield ray_cluster
     ray_cluster.ensure(CLUSTER_NODES)
-

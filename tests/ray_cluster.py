@@ -1,11 +1,12 @@
 """A multi-node Ray cluster on this machine, for the cluster tests (issue 27).
 
 Ray's own test utility (`ray.cluster_utils.Cluster`): a head node with no CPUs (it schedules,
-it runs nothing) and worker nodes, each its own raylet with its own CPUs, on 127.0.0.1. A node
-can be killed (`kill`) as a lost machine would be, and another added. Start-up is ~7 s for
-three nodes on a 2-core machine: tests share one cluster per test process (`cluster` marker,
-the `ray_cluster` fixture in tests/conftest.py), and each test leaves it with as many nodes as
-it found.
+it runs nothing) and worker nodes, each its own raylet with its own CPUs, all on this
+machine's address (Ray's default: its client does not follow a cluster pinned to 127.0.0.1).
+A node can be killed (`kill`) as a lost machine would be, and another added. Start-up is ~7 s
+for three nodes on a 2-core machine: tests share one cluster per test process (`cluster`
+marker, the `ray_cluster` fixture in tests/conftest.py), and each test leaves it with as many
+nodes as it found.
 
 The test process itself does not connect: the flows under test connect to `address` (as a
 user's flow run connects to `RAY_ADDRESS`) and disconnect when they end.
@@ -30,7 +31,6 @@ class LocalCluster:
             head_node_args={
                 "num_cpus": 0,
                 "include_dashboard": False,
-                "node_ip_address": "127.0.0.1",
             },
         )
         self.nodes = [self._add() for _ in range(nodes)]
@@ -41,7 +41,7 @@ class LocalCluster:
         return self.cluster.address
 
     def _add(self):
-        return self.cluster.add_node(num_cpus=self.cpus, node_ip_address="127.0.0.1")
+        return self.cluster.add_node(num_cpus=self.cpus)
 
     def node_ids(self) -> list[str]:
         """The worker nodes' Ray node ids, in the order they were added."""
