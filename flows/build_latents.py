@@ -27,6 +27,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
 from flows import pools
+from flows.cluster import Cluster, ClusterError, cluster_address
 from flows.devices import Devices, read_ahead, warm_file
 from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
@@ -88,13 +89,17 @@ def build_latents(
     data_root: str | None = None,
     hf_dataset: bool = False,
     workers: int | None = None,
+    cluster: str | None = None,
 ):
     """Fetch, filter, tokenize and encode one catalog source into `<root>/<source>/`.
 
     `hf_dataset`: also export the tokens as a Hugging Face `datasets` DatasetDict
     {train, validation} (seeded 1% split) under `<root>/<source>/hf/`.
     `workers`: the node's worker budget (default `SDPIPE_WORKERS`, else the cores); each
-    stage's concurrency derives from it, score and encode from the node's devices."""
+    stage's concurrency derives from it, score and encode from the node's devices.
+    `cluster`: a Ray cluster's address (default `RAY_ADDRESS`; none: this node): every
+    per-shard stage then runs on its nodes (flows/cluster.py), `workers` each (default: the
+    node's CPUs)."""
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
@@ -102,11 +107,12 @@ def build_latents(
     except ValueError as e:  # workers=0, SDPIPE_WORKERS=abc: the message says what it expects
         logger.error(str(e))
         return Failed(message=str(e))
+    address = cluster_address(cluster)
     try:
         catalog, src = preflight(source, root)
-        with worker_budget(budget):
-            run_source(root, catalog, src, hf_dataset=hf_dataset, workers=budget)
-    except (CatalogError, SourceError, ScoringWeightsError, StageFailed) as e:
+        with worker_budget(budget), _cluster(address, workers) as nodes:
+            run_source(root, catalog, src, hf_dataset=hf_dataset, workers=budget, cluster=nodes)
+    except (CatalogError, SourceError, ScoringWeightsError, StageFailed, ClusterError) as e:
         logger.error(str(e))
         return Failed(message=str(e))
     summary = source_summary(root, source)
@@ -116,6 +122,13 @@ def build_latents(
         description=f"build-latents {source}: samples per stage",
     )
     return summary
+
+
+def _cluster(address: str | None, workers: int | None):
+    """The run's cluster (its nodes' agents started), or nothing for a one-node run."""
+    if address is None:
+        return contextlib.nullcontext()
+    return Cluster(address, workers=workers)
 
 
 @contextlib.contextmanager
@@ -157,14 +170,29 @@ def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[st
 class _Run:
     """The stages of one source's build: what failed so far, and the barriers it blocks."""
 
-    def __init__(self, root: Path, src: Source, budget: int):
+    def __init__(self, root: Path, src: Source, budget: int, cluster: Cluster | None = None):
         self.root, self.name, self.budget = root, src.name, budget
+        self.cluster = cluster
         archive = src.kind in ("archive", "folder")
-        self.limits = stage_limits(budget, len(pools.node_devices()), archive=archive)
+        if cluster is None:
+            self.limits = stage_limits(budget, len(pools.node_devices()), archive=archive)
+        else:  # each node's limits, summed: every node at its one-node pace
+            self.limits = cluster.limits(functools.partial(stage_limits, archive=archive))
         self.stages = StageRun(root, src.name)
         self.failures: list[str] = []
         self.permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
         self.scorer_identity: dict | None = None  # the score stage's (`score.scorer_identity`)
+
+    def remote(self, stage_name: str, unit):
+        """A per-shard unit of a CPU stage, run on a node of the cluster when there is one."""
+        return unit if self.cluster is None else self.cluster.unit(stage_name, unit)
+
+    def devices(self, stage_name: str, name: str, serve, release):
+        """A GPU stage's workers: one per device of this node, or of every node of the
+        cluster."""
+        if self.cluster is None:
+            return Devices(name, serve, release=release)
+        return self.cluster.devices(stage_name, name, serve, release)
 
     def stage(
         self,
@@ -219,24 +247,39 @@ def run_source(
     *,
     hf_dataset: bool = False,
     workers: int | None = None,
+    cluster: Cluster | None = None,
 ) -> None:
     name = src.name
     profile = catalog.profile(src.profile)
     model = catalog.model(src.model)
     budget = concurrency.workers(workers)
-    run = _Run(root, src, budget)
-    get_run_logger().info(
-        "build-latents %s: %d workers, devices %s", name, budget, ", ".join(pools.node_devices())
-    )
+    run = _Run(root, src, budget, cluster)
+    if cluster is None:
+        get_run_logger().info(
+            "build-latents %s: %d workers, devices %s",
+            name,
+            budget,
+            ", ".join(pools.node_devices()),
+        )
+    else:
+        get_run_logger().info(
+            "build-latents %s on the Ray cluster at %s: %s",
+            name,
+            cluster.address,
+            cluster.describe(),
+        )
+    # On a cluster each node's budget is its own (its agent's SDPIPE_WORKERS), read there.
+    node_budget = budget if cluster is None else None
 
     scored, scorer = bool(profile.scorer), None
     if scored:
         spec = catalog.scorer(profile.scorer)
         run.scorer_identity = score.scorer_identity(spec)  # its weights hashed once here
-        scorer = Devices(
+        scorer = run.devices(
+            score.STAGE,
             f"score-{name}",
             functools.partial(_serve_scores, root, name, spec),
-            release=_release_scorer,
+            _release_scorer,
         )
     with scorer or contextlib.nullcontext():
         if src.kind in ("archive", "folder"):
@@ -265,10 +308,11 @@ def run_source(
     # The latent layout (bucket plan, flips, log-variance) from the catalog: part of the
     # encode task's cache key, and a shard is done only under it.
     spec = encode.spec_for(catalog, name)
-    encoders = Devices(
+    encoders = run.devices(
+        encode.STAGE,
         f"encode-{name}",
-        functools.partial(_serve_latents, root, name, model, budget, spec),
-        release=encode.release_device,
+        functools.partial(_serve_latents, root, name, model, node_budget, spec),
+        encode.release_device,
     )
     with encoders:
         tokens = run.stage("tokens", limit=run.limits["tokens"], expected=len(shard_names))
@@ -284,7 +328,7 @@ def run_source(
         if hf_dataset:
             tokens.on_end(lambda _: _export_hf(run))
         for s in shard_names:
-            tokens.add(s, _tokenize_unit(root, name, s, budget))
+            tokens.add(s, run.remote("tokens", _tokenize_unit(root, name, s, node_budget)))
         tokens.seal()
         run.stages.wait()
     for d in datasets:
@@ -305,15 +349,18 @@ def _export_hf(run: _Run) -> None:
     hf.seal()
 
 
-def _tokenize_unit(root: Path, name: str, shard: str, budget: int):
+def _tokenize_unit(root: Path, name: str, shard: str, budget: int | None):
     """tokenize holds the GIL: its shards run in processes where the budget allows, as many
-    as the budget up to a cap (`concurrency.tokenize_processes`)."""
+    as the budget up to a cap (`concurrency.tokenize_processes`). `budget` None: the budget
+    of the process that runs the unit (a cluster node's)."""
+    return functools.partial(_tokenize, root, name, shard, budget)
+
+
+def _tokenize(root: Path, name: str, shard: str, budget: int | None):
     if concurrency.use_processes(budget):
         processes = concurrency.tokenize_processes(budget)
-        return functools.partial(
-            concurrency.in_process, processes, tokenize.tokenize_shard, root, name, shard
-        )
-    return functools.partial(tokenize.tokenize_shard, root, name, shard)
+        return concurrency.in_process(processes, tokenize.tokenize_shard, root, name, shard)
+    return tokenize.tokenize_shard(root, name, shard)
 
 
 def _serve_scores(root: Path, name: str, spec, device, shards):
@@ -341,15 +388,16 @@ def _release_scorer(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _serve_latents(root: Path, name: str, model, budget: int, spec, device, shards):
+def _serve_latents(root: Path, name: str, model, budget: int | None, spec, device, shards):
     """A device's encoder: one pipeline over the shards it is dealt (`encode.encode_stream`),
     writing the source's latent layout `spec`.
 
     On GPUs the node's decode processes are shared by every device's pipeline: the budget but
     two cores per device (its I/O and feeding threads, the VAE's launches). On CPU the
-    encoder's default (1)."""
+    encoder's default (1). `budget` None: this process's (a cluster node's)."""
     num_workers = None
     if device.type == "cuda":
+        budget = concurrency.workers(budget)
         num_workers = max(1, budget - 2 * len(pools.node_devices()))
     yield from encode.encode_stream(
         root, name, shards, model, device=device, num_workers=num_workers, spec=spec
@@ -396,7 +444,9 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
     run.run(
         "metadata",
         {
-            f"{i:05d}": functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
+            f"{i:05d}": run.remote(
+                "metadata", functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
+            )
             for i, f in enumerate(files)
         },
         limit=run.limits["metadata"],
@@ -420,14 +470,17 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
         else contextlib.nullcontext()
     )
     units = {
-        s: functools.partial(
-            fetch_images.fetch_images_shard,
-            root,
-            name,
-            s,
-            image_size=src.resolution,
-            min_side=profile.min_side,
-            **fetch_images.fetch_limits(src.options),
+        s: run.remote(
+            "shards",
+            functools.partial(
+                fetch_images.fetch_images_shard,
+                root,
+                name,
+                s,
+                image_size=src.resolution,
+                min_side=profile.min_side,
+                **fetch_images.fetch_limits(src.options),
+            ),
         )
         for s in shard_names
     }
@@ -444,16 +497,19 @@ def archive_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
         {adapters.ALL: functools.partial(adapters.index_source, run.root, src, adapter)},
         needs_all=True,
     )
+    budget = run.budget if run.cluster is None else None
     units = {
-        s: functools.partial(_repack, run.root, src, adapter, s, run.budget)
+        s: run.remote("shards", functools.partial(_repack, run.root, src, adapter, s, budget))
         for s in adapters.shard_names(run.root, src.name)
     }
     return _fetch_then_score(run, units, scorer)
 
 
-def _repack(root: Path, src: Source, adapter, shard: str, budget: int):
-    """repack into the node's decode workers: one process pool of `budget`, every shard's."""
-    return adapters.repack_shard(root, src, adapter, shard, pool=images.shared_pool(budget))
+def _repack(root: Path, src: Source, adapter, shard: str, budget: int | None):
+    """repack into the node's decode workers: one process pool of `budget` (None: this
+    process's, a cluster node's), every shard's."""
+    pool = images.shared_pool(concurrency.workers(budget))
+    return adapters.repack_shard(root, src, adapter, shard, pool=pool)
 
 
 def _failed(failures: list[str], permanent: list[str]) -> str:

@@ -101,6 +101,7 @@ def cmd_build_latents(args: argparse.Namespace) -> int:
             data_root=args.data_root,
             hf_dataset=args.hf_dataset,
             workers=args.workers,
+            cluster=args.cluster,
             return_state=True,
         )
     return _report(state)
@@ -473,6 +474,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the node's worker budget each stage's concurrency derives from "
         "(default: $SDPIPE_WORKERS, else the cores); score and encode use every device",
+    )
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="ADDRESS",
+        help="run every per-shard stage on the nodes of this Ray cluster (default: "
+        "$RAY_ADDRESS, else this machine); --workers then applies to each node",
     )
     p.set_defaults(fn=cmd_build_latents)
     p = sub.add_parser("curriculum", help="build a phase's mix and train it, here")

@@ -7,7 +7,6 @@ the flow redoes only unfinished shards. Ray is the cluster at RAY_ADDRESS, else 
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -15,40 +14,26 @@ import ray
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.settings import get_current_settings
 from prefect.states import Failed
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
 from catalog import Model, load_catalog
+from flows.cluster import forwarded_env
 from flows.stages import publish_counts
 from tasks.latents import encode
 from tasks.runtime import shards
 from tasks.runtime.shards import read_stats, summarize
 
-# What a Ray worker needs from this process to find the data, the catalog and the weights.
-FORWARDED_ENV = (
-    "SDPIPE_DATA",
-    "SDPIPE_CATALOG",
-    "SDPIPE_ALLOW_DOWNLOADS",
-    "HF_HOME",
-    "HF_HUB_OFFLINE",
-)
-
 
 class SdpipeRayTaskRunner(RayTaskRunner):
     """A RayTaskRunner whose workers get this process's Prefect API (they report their task
-    runs to it) and sdpipe settings, read when the flow starts, not at import."""
+    runs to it), sdpipe settings and checkout (`flows.cluster.forwarded_env`), read when the
+    flow starts, not at import."""
 
     def __enter__(self):
-        env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-        api = get_current_settings().api
-        if api.url:
-            env["PREFECT_API_URL"] = api.url
-        if api.key:
-            env["PREFECT_API_KEY"] = api.key.get_secret_value()
         runtime_env = self.init_kwargs.setdefault("runtime_env", {})
-        runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+        runtime_env["env_vars"] = {**forwarded_env(), **runtime_env.get("env_vars", {})}
         return super().__enter__()
 
 

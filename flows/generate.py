@@ -104,11 +104,10 @@ def generate_task(
 def _on_ray(prompts, weights, out_dir, seeds, num_devices, kwargs):
     import ray
 
-    from flows.encode_ray import FORWARDED_ENV
+    from flows.cluster import forwarded_env
     from tasks.generation.generate_ray import generate_images_on_ray
 
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    ray.init(runtime_env={"env_vars": env})
+    ray.init(runtime_env={"env_vars": forwarded_env()})
     try:
         return generate_images_on_ray(
             weights, prompts, seeds, out_dir, num_workers=num_devices, **kwargs

@@ -140,11 +140,12 @@ def shard_task(
     logger = get_run_logger()
     verb = "already done" if stats.skipped else f"done in {stats.seconds:.1f}s"
     logger.info(
-        "%s %s/%s %s: %d in, %d out, dropped %s",
+        "%s %s/%s %s on %s: %d in, %d out, dropped %s",
         DISPLAY[stage],
         source,
         shard,
         verb,
+        stats.node or "?",
         stats.num_in,
         stats.num_out,
         stats.dropped or "nothing",
@@ -343,7 +344,7 @@ COUNTED_EXTRAS = ("truncated",)
 
 def publish_counts(source: str, name: str, done: dict[str, dict]) -> None:
     """A table artifact: samples in / out, drops per reason and counted extras, per shard and
-    in total."""
+    in total, and the node that did each shard."""
     reasons = sorted({r for s in done.values() for r in s["dropped"]})
     extras = [k for k in COUNTED_EXTRAS if any(k in s.get("extra", {}) for s in done.values())]
     rows = []
@@ -352,6 +353,7 @@ def publish_counts(source: str, name: str, done: dict[str, dict]) -> None:
         rows.append(
             {
                 "shard": shard,
+                "node": s.get("node", ""),
                 "in": s["num_in"],
                 "out": s["num_out"],
                 **{r: s["dropped"].get(r, 0) for r in reasons},
@@ -359,7 +361,14 @@ def publish_counts(source: str, name: str, done: dict[str, dict]) -> None:
             }
         )
     columns = ["in", "out", *reasons, *extras]
-    rows.append({"shard": "total", **{c: sum(row[c] for row in rows) for c in columns}})
+    nodes = len({row["node"] for row in rows})
+    rows.append(
+        {
+            "shard": "total",
+            "node": f"{nodes} node{'s' * (nodes != 1)}",
+            **{c: sum(row[c] for row in rows) for c in columns},
+        }
+    )
     create_table_artifact(
         rows,
         key=f"{source}-{name}-counts",

@@ -14,6 +14,9 @@ server down (or never started), from any machine that mounts the data root:
 A phase's mix is done when `phases/<phase>/mix.json` exists; its training is done when
 `runs/<phase>/summary.json` exists, failed when `runs/<phase>/failed.json` does (written by the
 curriculum flow), and running (or interrupted) when `runs/<phase>/log.jsonl` has steps.
+
+Each stage also lists which node did each done shard (from the records' `node`): on a
+cluster's build, a line of shards per node; `--json` has the shards of each.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def stage_status(root: Path, source: str, stage: str, expected: set[str] | None)
         _shard_of(n) for n in names if n.endswith(".failed.json") and not n.startswith(".")
     } - done
     running = {_shard_of(n) for n in names if n.startswith(".") and TMP_MARK in n} - done - failed
-    counts = summarize(read_stats(root, source, stage))
+    records = read_stats(root, source, stage)
+    counts = summarize(records)
     out = {
         "stage": STAGES[stage],
         "done": len(done),
@@ -56,6 +60,9 @@ def stage_status(root: Path, source: str, stage: str, expected: set[str] | None)
         "num_in": counts["num_in"],
         "num_out": counts["num_out"],
         "dropped": counts["dropped"],
+        # Which node did each done shard (`node` of its record; records of older sdpipe
+        # versions have none): {node: [shards]}.
+        "nodes": _by_node(records),
         "failures": {},
     }
     for shard in sorted(failed):
@@ -65,6 +72,14 @@ def stage_status(root: Path, source: str, stage: str, expected: set[str] | None)
         except (OSError, ValueError, KeyError):
             out["failures"][shard] = "(unreadable failure record)"
     return out
+
+
+def _by_node(records) -> dict[str, list[str]]:
+    nodes: dict[str, list[str]] = {}
+    for r in records:
+        if r.node:
+            nodes.setdefault(r.node, []).append(r.shard)
+    return dict(sorted(nodes.items()))
 
 
 def source_status(root: Path, source: str) -> list[dict]:
@@ -155,6 +170,9 @@ def format_status(report: dict) -> str:
                 f"  {s['stage']:<15}{s['done']:>6}{s['running']:>9}{s['failed']:>8}{todo:>6}"
                 f"{s['num_in']:>10}{s['num_out']:>10}"
             )
+            if len(s["nodes"]) > 1:  # one node: nothing to tell (`--json` lists it too)
+                spread = ", ".join(f"{n} {len(shards)}" for n, shards in s["nodes"].items())
+                lines.append(f"    shards by node: {spread}")
             for shard, error in s["failures"].items():
                 lines.append(f"    failed {shard}: {error}")
     for phase, p in report["phases"].items():

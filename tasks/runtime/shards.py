@@ -61,6 +61,12 @@ def shard_name(index: int) -> str:
     return f"{index:05d}"
 
 
+def current_node() -> str:
+    """The node this process works for: `SDPIPE_NODE` (a cluster's node agents set it, see
+    flows/cluster.py), else the host name."""
+    return os.environ.get("SDPIPE_NODE") or socket.gethostname()
+
+
 def stage_dir(root: Path, source: str, stage: str) -> Path:
     return root / source / stage
 
@@ -89,6 +95,9 @@ class ShardStats:
     # a record counts as done. Empty in records of older sdpipe versions: not checked.
     outputs: dict[str, int] = field(default_factory=dict)
     skipped: bool = False  # True when the shard was already done and nothing ran
+    # The node that did the work (`current_node`): a host name, or a cluster node's name.
+    # Empty in records of older sdpipe versions.
+    node: str = ""
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -200,6 +209,7 @@ def write_record(record: Path, stats: ShardStats, written: list[Path] | None = N
     if written and stats.shard != WHOLE_STAGE:
         outputs = written_files(record.parent, stats.shard, written)
     stats.outputs = outputs or unit_files(record.parent, stats.shard)
+    stats.node = stats.node or current_node()
     write_json_atomic(record, asdict(stats))
     journal(record.parent, stats.shard, "done", num_in=stats.num_in, seconds=stats.seconds)
 
@@ -265,7 +275,7 @@ def start_unit(directory: Path, shard: str) -> Path | None:
     unit; returns its marker). A whole-stage unit owns the folder: its temporaries are all
     there are, listed once per run. A shard's are looked for only when its marker survived a
     run of it, one that was killed (work that raises removes its own temporaries)."""
-    journal(directory, shard, "start")
+    journal(directory, shard, "start", node=current_node())
     if shard == WHOLE_STAGE:
         clean_temporaries(directory)
         return None
