@@ -33,6 +33,13 @@ class LocalCluster:
                 "include_dashboard": False,
             },
         )
+        # Ray's utility writes the head's address where a plain `ray.init()` looks for "the
+        # cluster started on this machine" (/tmp/ray/ray_current_cluster): other tests' local Ray
+        # (encode-ray, generate on Ray) would then join this cluster. It is forgotten here; the
+        # flows under test are given `address`.
+        from ray._common.utils import reset_ray_address
+
+        reset_ray_address()
         self.nodes = [self._add() for _ in range(nodes)]
         self.cluster.wait_for_nodes()
 
