@@ -17,6 +17,12 @@ plans are kohya's / SimpleTuner's at 512 px (area 512^2, step 64, sides 256..102
 1:2..2:1) and, for `--size small` (256 px), the same plan at half scale (area 256^2, step 32,
 sides 128..512): the same five aspects, and latent sides multiples of 4 (even) under the /8 VAE.
 
+`--held-bytes` also runs the legacy layout once more, untimed, under tracemalloc: the peak of
+what the pipeline holds in Python objects and numpy arrays (image bytes, decoded pixels,
+latents; not torch's ring or the VAE's activations) over all shards, in MiB, beside the
+largest shard's tar (`held_peak_mib`, `shard_mib`): bounded by the batches in flight, not the
+shard (issue 26.6).
+
 `--baseline autocast` (the default on a GPU) also times the legacy layout under sdpipe's GPU
 numerics before issue 28 (fp32 weights under bf16 autocast) in the same run, interleaved with
 the others: `baseline_ips` and `speedup_vs_baseline`. `numerics` compares each precision's
@@ -48,6 +54,7 @@ import platform
 import tarfile
 import tempfile
 import time
+import tracemalloc
 from dataclasses import replace
 
 import cv2
@@ -316,6 +323,23 @@ def naive(vae, datas: list[bytes], model: Model, device) -> float:
     return len(datas) / (time.perf_counter() - start)
 
 
+def held_bytes(tmp: Path, shards: list[str], model: Model, options: dict) -> dict[str, float]:
+    """Peak MiB the legacy pipeline holds in Python objects and numpy arrays over all shards
+    (tracemalloc; warmed up already), and the largest shard's tar in MiB."""
+    out = linked_root(tmp / "inputs", tmp / "held")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        encode.encode_shards(out, SOURCE, shards, model, **options)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    tars = (tmp / "inputs" / SOURCE / "shards").glob("*.tar")
+    shard = max(p.stat().st_size for p in tars)
+    say(f"held: peak {peak / 2**20:.1f} MiB, largest shard {shard / 2**20:.1f} MiB")
+    return {"held_peak_mib": round(peak / 2**20, 1), "shard_mib": round(shard / 2**20, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -347,6 +371,11 @@ def main() -> None:
         "a GPU, none on CPU)",
     )
     parser.add_argument("--repeats", type=int, default=5, help="best of, each measurement")
+    parser.add_argument(
+        "--held-bytes",
+        action="store_true",
+        help="also the peak bytes the pipeline holds (tracemalloc, one more untimed run)",
+    )
     parser.add_argument(
         "--layouts",
         default="legacy",
@@ -453,6 +482,7 @@ def main() -> None:
         if variants:
             say(f"VAE alone, other numerics: {variants}")
         first = np.load(root / SOURCE / "latents" / f"{shards[0]}.npy")[:batch_size]
+        held = held_bytes(tmp, shards, model, options) if args.held_bytes else None
 
     result = {
         "device": torch.cuda.get_device_name(device) if cuda else cpu_name(),
@@ -487,6 +517,8 @@ def main() -> None:
         "vae_only_variants_ips": variants,
         "torch": torch.__version__,
     }
+    if held:
+        result |= held
     if baseline:
         result["baseline_precision"] = baseline
         result["baseline_ips"] = round(best["baseline"], 2)

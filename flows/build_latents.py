@@ -31,7 +31,7 @@ from flows.cluster import Cluster, ClusterError, cluster_address
 from flows.devices import Devices, read_ahead, warm_file
 from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
-from tasks.curation import filter, score, views
+from tasks.curation import filter, score, selection, views
 from tasks.curation.score import ScoringWeightsError
 from tasks.latents import encode, hf_export, images, tokenize
 from tasks.runtime import concurrency, shards
@@ -230,9 +230,10 @@ class _Run:
         limit: int | None = None,
         needs_all: bool = False,
         inputs: dict | None = None,
+        done=None,
     ) -> dict[str, dict]:
         """One stage on its own: every unit, then return the finished ones' stats."""
-        one = self.stage(stage_name, limit=limit, needs_all=needs_all, inputs=inputs)
+        one = self.stage(stage_name, limit=limit, needs_all=needs_all, inputs=inputs, done=done)
         for unit, fn in units.items():
             one.add(unit, fn)
         one.seal()
@@ -286,11 +287,15 @@ def run_source(
             shard_names = archive_stages(run, src, profile, scorer)
         else:
             shard_names = url_stages(run, src, profile, scorer)
+    # The selection is chosen from the scores of this scorer: a re-score selects again.
+    identity = run.scorer_identity
+    chosen_by = f"-{score.identity_digest(identity)}" if identity else ""
     run.run(
         "selected",
-        {filter.ALL: functools.partial(select_pixels, root, name, profile, scored=scored)},
+        {filter.ALL: functools.partial(select_pixels, root, name, profile, identity)},
         needs_all=True,
-        inputs={filter.ALL: filter.profile_fingerprint(profile)},
+        inputs={filter.ALL: filter.profile_fingerprint(profile) + chosen_by},
+        done=lambda _: selection.selection_done(root, name, identity),
     )
     selected_dir = root / name / "selected"
     publish_waterfall(name, selected_dir / "waterfall.json", selected_dir / "gallery.html")
@@ -427,14 +432,16 @@ def _fetch_then_score(run: _Run, units: dict, scorer) -> list[str]:
     return list(units)
 
 
-def select_pixels(root: Path, name: str, profile, *, scored: bool):
-    """filter-pixels; semantic dedup computes on a device of the node's GPU pool (CPU without
-    GPUs), holding its slot, so it never shares a GPU with score, encode or a training."""
+def select_pixels(root: Path, name: str, profile, identity: dict | None):
+    """filter-pixels (scored when the scorer's `identity` is given); semantic dedup computes on
+    a device of the node's GPU pool (CPU without GPUs), holding its slot, so it never shares a
+    GPU with score, encode or a training."""
+    options = dict(scored=identity is not None, scorer_identity=identity)
     if "semantic" not in profile.dedup:
-        return filter.select_pixels(root, name, profile, scored=scored)
+        return filter.select_pixels(root, name, profile, **options)
     with pools.gpu_device() as device:
         on = str(device) if device.type == "cuda" else None
-        return filter.select_pixels(root, name, profile, scored=scored, device=on)
+        return filter.select_pixels(root, name, profile, device=on, **options)
 
 
 def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:

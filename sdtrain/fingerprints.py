@@ -11,11 +11,17 @@ records, per shard it links (`<source>-<shard>`), a digest of what fixes those p
   no keys file (keys in its stats record, an older sdpipe: a keys file there now is a change);
 - `tokens`: the `key` column of the linked `tokens/<file>.parquet`.
 
-`check` recomputes them and refuses a set whose sources changed, naming the file. A digest is
-blake2b over the columns' Arrow buffers (string offsets rebased to 0): no Python object per
-row; the keys file is memory-mapped, the tokens file's key column alone is read. The keys file
-is found from the latents link's target, so a set whose latents were kept aside under their
-spec's folder (`tasks.latents.kept_latents`) is checked against the keys kept with them.
+`check` refuses a set whose sources changed, naming the file. A digest is blake2b over the
+columns' Arrow buffers (string offsets rebased to 0): no Python object per row; the keys file
+is memory-mapped, the tokens file's key column alone is read. The keys file is found from the
+latents link's target, so a set whose latents were kept aside under their spec's folder
+(`tasks.latents.kept_latents`) is checked against the keys kept with them.
+
+Every rank opens the set, and a digest costs ~1 s per 1M rows: so mix also records each file's
+(size, mtime_ns, inode) (`keys_stat`, `tokens_stat`), taken before its digest, and `check`
+trusts a file whose stat is the same and digests only the others, refusing only a digest that
+differs (a file touched but the same passes). sdpipe rewrites a file by rename (a new inode),
+and an edit in place moves its mtime. Sets mixed without stats are digested whole.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ import pyarrow.parquet as pq
 
 from sdtrain.layout import BUCKET_FILE, FILES
 
-FIELD = "sources"  # in files.json: {"<source>-<shard>": {"keys": digest, "tokens": digest}}
+# In files.json: {"<source>-<shard>": {"keys": digest, "tokens": digest, "keys_stat": stat,
+# "tokens_stat": stat}}, a stat [size, mtime_ns, inode] or None (no file).
+FIELD = "sources"
+KINDS = ("keys", "tokens")
 KEYS_SUFFIX = ".keys.arrow"
 KEY_COLUMNS = ("key", "token_row", "bucket", "bucket_row")
 
@@ -83,6 +92,18 @@ def tokens_digest(path: Path) -> str | None:
         return None
 
 
+DIGESTS = {"keys": keys_digest, "tokens": tokens_digest}
+
+
+def file_stat(path: Path) -> list[int] | None:
+    """[size, mtime_ns, inode] of the file a path (or the link it is) names; None if none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 def shard_of(file_name: str) -> str:
     """`<source>-<shard>` of a phase-set file (`<source>-<shard>` or `<source>-<shard>.<WxH>`)."""
     return BUCKET_FILE.sub("", file_name)
@@ -104,22 +125,40 @@ def _sources(phase_dir: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
     return found
 
 
-def _digests(pair: tuple[Path, Path]) -> dict[str, str | None]:
-    keys, tokens = pair
-    return {"keys": keys_digest(keys), "tokens": tokens_digest(tokens)}
+def _record(pair: tuple[Path, Path]) -> dict:
+    out: dict = {}
+    for kind, path in zip(KINDS, pair, strict=True):
+        out[f"{kind}_stat"] = file_stat(path)  # before the digest: a later change is not trusted
+        out[kind] = DIGESTS[kind](path)
+    return out
 
 
 def record(phase_dir: Path, names: list[str], threads: int = 8) -> dict[str, dict]:
-    """The digests of every shard a phase set (links already made) reads, for `files.json`."""
+    """The digests and stats of every shard a phase set (links already made) reads, for
+    `files.json`."""
     pairs = _sources(phase_dir, names)
     with ThreadPoolExecutor(threads) as pool:
-        return dict(zip(pairs, pool.map(_digests, pairs.values()), strict=True))
+        return dict(zip(pairs, pool.map(_record, pairs.values()), strict=True))
+
+
+def _changed(pair: tuple[Path, Path], recorded: dict) -> list[str]:
+    """The kinds of the shard's files whose rows moved: a file whose stat is the one recorded
+    is trusted; any other is digested, and changed only if its digest is another (a file now
+    missing is left to the set's reader)."""
+    changed = []
+    for kind, path in zip(KINDS, pair, strict=True):
+        stat = recorded.get(f"{kind}_stat")
+        if stat is not None and file_stat(path) == stat:
+            continue
+        if DIGESTS[kind](path) not in (None, recorded.get(kind)):
+            changed.append(kind)
+    return changed
 
 
 def check(phase_dir: Path, threads: int = 8) -> None:
     """StalePhaseSet naming the first changed file (and how many more) unless every shard's
-    digests are those mix recorded. A file now missing is left to the set's reader (it names
-    the latents or tokens it cannot map); a set mixed before digests were recorded passes."""
+    files are as mix recorded them (`_changed`). A set mixed before digests were recorded
+    passes."""
     phase_dir = Path(phase_dir)
     try:
         meta = json.loads((phase_dir / FILES).read_text())
@@ -129,14 +168,14 @@ def check(phase_dir: Path, threads: int = 8) -> None:
     if not recorded:
         return
     pairs = _sources(phase_dir, [f["name"] for f in meta["files"]])
+    shards = [shard for shard in recorded if shard in pairs]
     with ThreadPoolExecutor(threads) as pool:
-        now = dict(zip(pairs, pool.map(_digests, pairs.values()), strict=True))
-    stale = [
-        (pairs[shard][0] if kind == "keys" else pairs[shard][1].resolve(), kind)
-        for shard, digests in recorded.items()
-        for kind in ("keys", "tokens")
-        if shard in now and now[shard][kind] not in (None, digests.get(kind))
-    ]
+        changed = pool.map(lambda shard: _changed(pairs[shard], recorded[shard]), shards)
+        stale = [
+            (pairs[shard][0] if kind == "keys" else pairs[shard][1].resolve(), kind)
+            for shard, kinds in zip(shards, changed, strict=True)
+            for kind in kinds
+        ]
     if not stale:
         return
     path, kind = stale[0]

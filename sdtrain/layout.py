@@ -10,8 +10,9 @@
   `<source>-<shard>` (a legacy shard: `latents/<shard>.npy` [N, 4, h, w]) or
   `<source>-<shard>.<WxH>` (one bucket of a shard encoded in buckets: `latents/<shard>.<WxH>.npy`
   [n, V, C, H/8, W/8]); with buckets, each entry also has `bucket` ("WxH"), `views` and
-  `channels`; `sources` holds, per shard the set reads, digests of its keys and tokens files
-  (`sdtrain.fingerprints`: a set whose sources moved their rows is refused when opened).
+  `channels`; `sources` holds, per shard the set reads, digests and stats of its keys and
+  tokens files (`sdtrain.fingerprints`: a set whose sources moved their rows is refused when
+  opened).
 - `latents/<file>.npy` and `tokens/<file>.{npy,parquet}`: links into the sources' folders.
 
 The manifest's `bucket` is "" on the rows of a legacy shard: its file is `<source>-<shard>`, so

@@ -12,20 +12,16 @@ import hashlib
 import json
 import math
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 import duckdb
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from catalog import CatalogError, FilterProfile
-from sdtrain.atomic import atomic_path
-from tasks.curation import dedup, duck, waterfall
+from sdtrain.atomic import clean_temporaries
+from tasks.curation import dedup, duck, selection, waterfall
 from tasks.curation.duck import connect, to_arrow
 from tasks.curation.waterfall import MAX_SAMPLES, Waterfall
 from tasks.runtime.shards import ShardStats, run_shard, stats_path
@@ -524,24 +520,14 @@ def filter_metadata(
     return run_shard(root, source, "filtered", ALL, work)
 
 
-def _runs(values: pa.ChunkedArray) -> dict[str, tuple[int, int]]:
-    """(start, length) of each value's run in `values`, which holds each value in one run.
-
-    Each shard's kept rows are a slice of the filename-ordered table: one pass, where a filter
-    per shard compared every kept row once per shard (shards x rows: hours at LAION scale).
-    """
-    if len(values) == 0:
-        return {}
-    encoded = values.combine_chunks().dictionary_encode()
-    codes = encoded.indices.to_numpy(zero_copy_only=False)
-    starts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
-    ends = np.append(starts[1:], len(codes))
-    names = encoded.dictionary.to_pylist()
-    return {names[codes[a]]: (int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)}
-
-
 def select_pixels(
-    root: Path, source: str, profile: FilterProfile, *, scored: bool = False, device=None
+    root: Path,
+    source: str,
+    profile: FilterProfile,
+    *,
+    scored: bool = False,
+    device=None,
+    scorer_identity: dict | None = None,
 ) -> ShardStats:
     """The profile over the fetched pixels (actual sizes; with `scored`, the score stage's
     scores, pHash and embeddings) and dedup across the whole source; semantic dedup runs on
@@ -549,8 +535,11 @@ def select_pixels(
 
     Reads every `shards/NNNNN.parquet` (status `success` rows) and writes, per shard, the
     kept keys and captions to `selected/NNNNN.parquet`, plus the waterfall and gallery.
+    `scorer_identity` (`score.scorer_identity`): the scorer whose scores are read; a selection
+    chosen from another's is made again, and what was built from a shard whose rows changed
+    runs again (tasks/curation/selection.py).
     """
-    out_dir = root / source / "selected"
+    out_dir = root / source / selection.STAGE
 
     def work(stats: ShardStats) -> None:
         tables = sorted((root / source / "shards").glob("[0-9]*.parquet"))
@@ -570,18 +559,7 @@ def select_pixels(
                 "ORDER BY filename, key"
             )
         )
-        runs = _runs(kept["filename"])
-        unplaced = set(runs) - {str(p) for p in tables}
-        if unplaced:  # a kept row would be written to no shard
-            raise AssertionError(f"kept rows from files not listed as shards: {sorted(unplaced)}")
-        kept = kept.select(["key", "caption"])
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for old in out_dir.glob("[0-9]*.parquet"):
-            old.unlink()
-        for path in tables:
-            start, length = runs.get(str(path), (0, 0))
-            with atomic_path(out_dir / path.name) as tmp:
-                pq.write_table(kept.slice(start, length), tmp)
+        selection.write_shards(root, source, kept, tables)
         record(stats, wf)
         stats.extra = {
             "num_shards": len(tables),
@@ -590,9 +568,14 @@ def select_pixels(
             "scored": scored,
             **wf.notes,
         }
+        if scorer_identity is not None:
+            stats.extra["scorer_identity"] = scorer_identity
         wf.write(out_dir / "waterfall.json", out_dir / "gallery.html")
 
-    check_profile(root, source, "selected", profile)
-    if out_dir.exists() and not (out_dir / f"{ALL}.stats.json").exists():
-        shutil.rmtree(out_dir)  # a killed earlier run: start the unit over
-    return run_shard(root, source, "selected", ALL, work)
+    check_profile(root, source, selection.STAGE, profile)
+    selection.forget_other_scorer(root, source, scorer_identity)
+    if not (out_dir / f"{ALL}.stats.json").exists():
+        # Not done (a killed run, or made again): its selection files stay, what each shard's
+        # tokens were built from (`selection.write_shards` compares them with the new rows).
+        clean_temporaries(out_dir)
+    return run_shard(root, source, selection.STAGE, ALL, work)

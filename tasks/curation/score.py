@@ -37,6 +37,7 @@ from PIL import Image
 from catalog.schema import ScoringModel
 from sdtrain.atomic import atomic_path
 from sdtrain.lazy import BUILD_LOCK
+from tasks.curation import selection
 from tasks.curation.score_nets import (
     AestheticHead,
     NSFWHead,
@@ -559,4 +560,5 @@ def forget_other_scorer(root: Path, source: str, shard: str, identity: dict) -> 
         record.extra.get("scorer_identity") or record.extra.get("scorer"),
     )
     stats_path(root, source, STAGE, shard).unlink(missing_ok=True)
+    selection.forget(root, source)  # chosen from these scores: chosen again from the new ones
     return False

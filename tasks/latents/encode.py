@@ -17,8 +17,8 @@ the mirrored image; channels 4..7 the log-variance of the scaled posterior. A sh
 only under the spec it was encoded with.
 
 Here: the VAE per device, the stage's entry points, many devices and latent QA. Its parts:
-encode_spec.py (the spec, when a shard is done), encode_pipeline.py (decode and batch),
-encode_write.py (a shard's files).
+encode_spec.py (the spec, when a shard is done), encode_read.py (a shard's inputs, streamed),
+encode_pipeline.py (decode and batch), encode_write.py (a shard's files).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from tasks.latents import images, latent_keys
 from tasks.latents.encode_pipeline import (
     Pipeline,
     cpu_lanes,
-    extract_images,
     in_inference_mode,
     shutdown_pools,
 )
+from tasks.latents.encode_read import read_images
 from tasks.latents.encode_spec import STAGE, LatentSpec, shard_done
 from tasks.latents.encode_write import finish_shard
 from tasks.runtime.shards import ShardStats, read_stats, run_shard
@@ -278,11 +278,6 @@ def encode_pixels(
         return torch.cat([encode(b) for b in batches])
     lanes = cpu_lanes(torch.get_num_threads())
     return torch.cat(list(lanes.map(in_inference_mode(encode), batches)))
-
-
-def read_images(tar_path: Path, keys: set[str]) -> dict[str, bytes]:
-    """The image bytes of `keys` from a webdataset tar."""
-    return extract_images(tar_path.read_bytes(), keys)
 
 
 # ---- the pipeline ---------------------------------------------------------------------------

@@ -1,6 +1,10 @@
 """The decode-and-batch pipeline of encode: I/O thread -> feeder thread -> decode processes ->
 pinned ring -> side-stream copy -> VAE, so the VAE never waits for data.
 
+A shard streams through it: the I/O thread reads its images from the tar a decode task's worth
+at a time (encode_read.py), a bounded read-ahead ahead of the feeder, so the bytes held are
+those of the batches in flight, never a shard's.
+
 Batches always have `batch_size` rows (holes and padding zeroed) and never span buckets; legacy
 batches never span shards, bucketed ones do (a bucket's unfinished batch waits for the next
 shard's images; `_flush` hands them out when no shard comes). The VAE works per image, so a
@@ -10,29 +14,23 @@ kept per size for every later shard."""
 from __future__ import annotations
 
 import atexit
-import io
 import math
 import queue
-import tarfile
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
 from sdtrain.lazy import BUILD_LOCK
 from tasks.latents import images, kept_latents
+from tasks.latents.encode_read import ShardInput, open_shard
 from tasks.latents.encode_spec import LatentSpec, forget_other_spec
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
 DECODE_AHEAD = 128  # images handed to the decoders before the VAE asks for them
 DRAIN_AFTER_S = 0.1  # no batch came this long: finish those in flight (see Pipeline.results)
 
@@ -100,29 +98,23 @@ def in_inference_mode(fn):
     return run
 
 
-def extract_images(tar_bytes: bytes, keys: set[str]) -> dict[str, bytes]:
-    """The image bytes of `keys` from a webdataset tar held in memory."""
-    out = {}
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
-        for member in tar:
-            key, _, ext = member.name.partition(".")
-            if key in keys and ext.lower() in IMAGE_EXTENSIONS and member.isfile():
-                out[key] = tar.extractfile(member).read()
-    return out
-
-
 _END = object()  # a producer thread is finished
-_SHARD_END = object()  # the feeder settled a (bucketed) shard's count of batches
+_SHARD_END = object()  # the feeder settled a shard's count of batches
 
 
 @dataclass(slots=True)
-class _ShardInput:
-    shard: str
-    token_keys: list[str]
-    tar_bytes: bytes
-    error: Exception | None = None  # its inputs could not be read: this shard fails, alone
-    skip: bool = False  # done already
-    sha256: list[str] | None = None  # per token key (bucketed layout), "" when unknown
+class _Images:
+    """The I/O thread's next images of the open shard: its keys[start : start + len(data)]."""
+
+    start: int
+    data: list[bytes]
+
+
+@dataclass(slots=True)
+class _ShardEnd:
+    """The open shard's images are all read, or reading them failed (`error`)."""
+
+    error: Exception | None = None
 
 
 @dataclass(slots=True)
@@ -133,14 +125,14 @@ class _ShardJob:
     num_in: int
     keys: list[str]
     token_rows: list[int]
-    num_batches: int  # bucketed: -1 until the feeder has handed out its last batch
+    num_batches: int  # -1 until the feeder has handed out its last batch
     error: Exception | None = None
     skip: bool = False
     started: float = 0.0  # when its images began to be handed out (its record's seconds)
     sha256: list[str] | None = None  # per key (bucketed layout)
     dropped: dict[int, str] = field(default_factory=dict)  # bucketed: filled by the feeder
-    # Bucketed, kept by the feeder: batches holding its images so far, its images waiting in a
-    # bucket's unfinished batch, and whether all its images are decoded.
+    # Kept by the feeder: batches holding its images so far, its images waiting in a bucket's
+    # unfinished batch (bucketed), and whether all its images are decoded (or handed out).
     handed: int = 0
     waiting: int = 0
     decoded: bool = False
@@ -278,7 +270,9 @@ class Pipeline:
             max_pixels,
             out_per_pixel,
         )
-        self.inputs: queue.Queue = queue.Queue(maxsize=1)
+        # The read-ahead: a batch's images (in decode tasks' pieces) beyond those the feeder
+        # has handed to the decoders; shard headers and ends ride along.
+        self.inputs: queue.Queue = queue.Queue(maxsize=2 + math.ceil(batch_size / self.chunk))
         ahead = max(2, DECODE_AHEAD // batch_size)  # batches; shard headers ride along
         self.batches: queue.Queue = queue.Queue(maxsize=ahead)
         self.stop = threading.Event()
@@ -287,6 +281,10 @@ class Pipeline:
         # Bucketed: per bucket, the decoded images of its unfinished batch, (job, index in
         # job.keys, pixels), across shards (the feeder's alone).
         self.waiting: dict[int, list[tuple[_ShardJob, int, np.ndarray]]] = {}
+        # The feeder's open shard: its job, the decode tasks of its unfinished batch (legacy)
+        # or those in flight (bucketed).
+        self.job: _ShardJob | None = None
+        self.decoding: deque[Future] = deque()
         self.threads = [
             threading.Thread(target=self._prefetch, name="encode-prefetch", daemon=True),
             threading.Thread(target=self._feed, name="encode-feed", daemon=True),
@@ -311,31 +309,49 @@ class Pipeline:
             t.join()
 
     def _prefetch(self) -> None:
-        """I/O thread: the next shard's token keys and whole tar, read while this one encodes."""
+        """I/O thread: each shard's header, then its images a decode task's worth at a time."""
         try:
             for shard in self.shards:
                 if self.stop.is_set():
                     break
                 if forget_other_spec(self.root, self.source, shard, self.spec, self.links):
-                    self.inputs.put(_ShardInput(shard, [], b"", skip=True))
+                    self.inputs.put(ShardInput(shard, skip=True))
                     continue
-                try:
-                    tokens = self.root / self.source / "tokens" / f"{shard}.parquet"
-                    keys = pq.read_table(tokens, columns=["key"])["key"].to_pylist()
-                    tar = self.root / self.source / "shards" / f"{shard}.tar"
-                    item = _ShardInput(shard, keys, tar.read_bytes())
-                    if self.bucketed:
-                        item.sha256 = _sample_digests(self.root, self.source, shard, keys)
-                except Exception as e:  # this shard's inputs: its failure, not the others'
-                    item = _ShardInput(shard, [], b"", error=e)
-                self.inputs.put(item)
+                self._read(shard)
         except BaseException as e:
             self.errors.append(e)
         finally:
             self.inputs.put(_END)
 
+    def _read(self, shard: str) -> None:
+        header = None
+        try:
+            with open_shard(self.root, self.source, shard, digests=self.bucketed) as opened:
+                header, images = opened
+                self.inputs.put(header)
+                start = 0
+                for data in images(self._pieces(len(header.keys))):
+                    if self.stop.is_set():
+                        break
+                    self.inputs.put(_Images(start, data))
+                    start += len(data)
+        except Exception as e:  # this shard's inputs (a tar cut short...): its failure alone
+            self.inputs.put(ShardInput(shard, error=e) if header is None else _ShardEnd(e))
+        else:
+            self.inputs.put(_ShardEnd())
+
+    def _pieces(self, num_images: int) -> Iterator[tuple[int, int]]:
+        """(start, stop) of each decode task's images: up to `chunk` of them, never across
+        batches in the legacy layout (a legacy batch is `batch_size` images in shard order)."""
+        span = self.batch_size if not self.bucketed else max(1, num_images)
+        for batch_start in range(0, num_images, span):
+            batch_stop = min(num_images, batch_start + span)
+            for start in range(batch_start, batch_stop, self.chunk):
+                yield start, min(batch_stop, start + self.chunk)
+
     def _feed(self) -> None:
-        """Feeder thread: extract a shard's images and hand its batches to the decoders.
+        """Feeder thread: hand a shard's images to the decoders as they are read, and their
+        batches to the VAE's thread.
 
         Bucketed, a bucket's unfinished batch waits for the next shard's images of that bucket,
         so only the stream's last batch of a bucket is padded; when no shard comes within
@@ -343,15 +359,21 @@ class Pipeline:
         out as they are, and the shards waiting on them complete."""
         try:
             while True:
-                try:
-                    item = self.inputs.get(timeout=DRAIN_AFTER_S)
+                try:  # between shards: wait so long for the next, then flush
+                    item = self.inputs.get(timeout=None if self.job else DRAIN_AFTER_S)
                 except queue.Empty:
                     self._flush()
                     item = self.inputs.get()
                 if item is _END:
                     break
-                if not self.stop.is_set():
-                    self._dispatch(item)
+                if self.stop.is_set():
+                    self._abandon()
+                elif isinstance(item, ShardInput):
+                    self._open(item)
+                elif isinstance(item, _Images):
+                    self._decode(item)
+                else:
+                    self._close(item)
             if not self.stop.is_set():
                 self._flush()
         except BaseException as e:
@@ -361,77 +383,75 @@ class Pipeline:
         finally:
             self.batches.put(_END)
 
-    def _dispatch(self, item: _ShardInput) -> None:
+    def _open(self, item: ShardInput) -> None:
         started = time.perf_counter()
-        data, error = {}, item.error
-        if error is None and not item.skip:
-            try:
-                data = extract_images(item.tar_bytes, set(item.token_keys))
-            except Exception as e:  # a broken tar fails its shard only
-                error = e
-        if error is not None or item.skip:
-            job = _ShardJob(item.shard, 0, [], [], 0, error, item.skip, started)
+        if item.error is not None or item.skip:
+            job = _ShardJob(item.shard, 0, [], [], 0, item.error, item.skip, started)
             self.batches.put(job)
             return
-        present = [(row, key) for row, key in enumerate(item.token_keys) if key in data]
-        job = _ShardJob(
+        self.job = _ShardJob(
             shard=item.shard,
-            num_in=len(item.token_keys),
-            keys=[key for _, key in present],
-            token_rows=[row for row, _ in present],
-            num_batches=-1 if self.bucketed else math.ceil(len(present) / self.batch_size),
+            num_in=item.num_in,
+            keys=item.keys,
+            token_rows=item.token_rows,
+            num_batches=-1,
             started=started,
+            sha256=item.sha256,
         )
+        self.batches.put(self.job)
+
+    def _decode(self, item: _Images) -> None:
+        """Legacy: a decode task of the open batch, handed out with its last one. Bucketed:
+        decoded into their buckets (in the decode workers), gathered per bucket in stream order
+        and handed out a full batch at a time (`_flush` hands out the unfinished ones); a
+        bounded number of decode tasks is in flight, and at most a batch less one image waits
+        per bucket."""
+        job, stop = self.job, item.start + len(item.data)
+        rows = range(item.start, stop)
         if self.bucketed:
-            job.sha256 = [item.sha256[row] for row, _ in present]
-            self._dispatch_bucketed(job, data)
+            items = list(zip(rows, item.data, strict=True))
+            self.decoding.append(self.pool.submit(items, self.size, "bucketed", plan=self.plan))
+            while len(self.decoding) > max(2 * self.num_workers, DECODE_AHEAD // self.chunk):
+                self._take_oldest()
             return
-        self.batches.put(job)
-        for start in range(0, len(present), self.batch_size):
-            if self.stop.is_set():
-                return
-            items = [
-                (i, data[key]) for i, key in enumerate(job.keys[start : start + self.batch_size])
-            ]
-            futures = [
-                self.pool.submit(items[j : j + self.chunk], self.size)
-                for j in range(0, len(items), self.chunk)
-            ]
-            self.batches.put(_Batch(job, start, len(items), futures))
+        batch_start = item.start - item.start % self.batch_size
+        items = [(row - batch_start, data) for row, data in zip(rows, item.data, strict=True)]
+        self.decoding.append(self.pool.submit(items, self.size))
+        if stop % self.batch_size == 0 or stop == len(job.keys):
+            futures = list(self.decoding)
+            self.decoding.clear()
+            job.handed += 1
+            self.batches.put(_Batch(job, batch_start, stop - batch_start, futures))
 
-    def _dispatch_bucketed(self, job: _ShardJob, data: dict[str, bytes]) -> None:
-        """A shard's images decoded into their buckets (in the decode workers), gathered per
-        bucket in stream order and handed out a full batch at a time (`_flush` hands out the
-        unfinished ones). A bounded number of decode tasks is in flight, and at most a batch
-        less one image waits per bucket."""
-        self.batches.put(job)
-        in_flight: deque[Future] = deque()
-        limit = max(2 * self.num_workers, DECODE_AHEAD // self.chunk)
+    def _take_oldest(self) -> None:
+        """The oldest bucketed decode task's images into their buckets' unfinished batches."""
+        job = self.job
+        rows, payload, dropped = self.decoding.popleft().result()
+        job.dropped.update(dropped)
+        for row, (bucket, pixels) in zip(rows, payload, strict=True):
+            self.waiting.setdefault(bucket, []).append((job, row, pixels))
+            job.waiting += 1
+            if len(self.waiting[bucket]) == self.batch_size:
+                self._hand_out(bucket)
 
-        def take_oldest() -> None:
-            rows, payload, dropped = in_flight.popleft().result()
-            job.dropped.update(dropped)
-            for row, (bucket, pixels) in zip(rows, payload, strict=True):
-                self.waiting.setdefault(bucket, []).append((job, row, pixels))
-                job.waiting += 1
-                if len(self.waiting[bucket]) == self.batch_size:
-                    self._hand_out(bucket)
-
-        for start in range(0, len(job.keys), self.chunk):
-            if self.stop.is_set():
-                for f in in_flight:
-                    f.cancel()
-                return
-            items = [
-                (i, data[job.keys[i]]) for i in range(start, min(len(job.keys), start + self.chunk))
-            ]
-            in_flight.append(self.pool.submit(items, self.size, "bucketed", plan=self.plan))
-            while len(in_flight) > limit:
-                take_oldest()
-        while in_flight:
-            take_oldest()
+    def _close(self, end: _ShardEnd) -> None:
+        """The open shard's images are all handed to the decoders: once the last of them is
+        handed out, its count of batches is final."""
+        job = self.job
+        if end.error is not None:
+            job.error = end.error
+            self._abandon()
+        while self.decoding:  # bucketed: its last decode tasks
+            self._take_oldest()
         job.decoded = True
+        self.job = None
         self._settle([job])
+
+    def _abandon(self) -> None:
+        """The open shard's decode tasks not handed out are not needed."""
+        for future in self.decoding:
+            future.cancel()
+        self.decoding.clear()
 
     def _hand_out(self, bucket: int) -> None:
         """The bucket's waiting images as one batch (the feeder's thread)."""
@@ -554,19 +574,3 @@ class Pipeline:
     def _pop_complete(order: deque[Encoded]) -> Iterator[Encoded]:
         while order and order[0].complete:
             yield order.popleft()
-
-
-def _sample_digests(root: Path, source: str, shard: str, keys: list[str]) -> list[str]:
-    """The sha256 of each key's image bytes from the shard's sample table
-    (`shards/NNNNN.parquet`), "" where the table, its column or the key is missing."""
-    table_path = root / source / "shards" / f"{shard}.parquet"
-    try:
-        names = pq.read_schema(table_path).names
-    except FileNotFoundError:
-        return [""] * len(keys)
-    if "key" not in names or "sha256" not in names:
-        return [""] * len(keys)
-    table = pq.read_table(table_path, columns=["key", "sha256"])
-    where = pc.index_in(pa.array(keys, pa.string()), value_set=table["key"].combine_chunks())
-    digests = table["sha256"].combine_chunks().cast(pa.string()).take(where)
-    return pc.fill_null(digests, "").to_pylist()

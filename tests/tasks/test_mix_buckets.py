@@ -6,6 +6,7 @@ counted by the bucketed sampler's rule."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -427,3 +428,77 @@ def test_a_reused_phase_set_whose_sources_moved_is_refused_naming_the_file(bucke
     shutil.rmtree(root / "runs" / "p1" / "checkpoints")  # started over: mixed anew, and it opens
     assert not mix.phase_set_for_run(root, catalog(root), p)["reused"]
     PhaseSet(phase_dir)
+
+
+def count_digests(monkeypatch) -> list[tuple[str, ...]]:
+    """The columns of every digest the fingerprints compute from now on."""
+    from sdtrain import fingerprints
+
+    digested: list[tuple[str, ...]] = []
+    real = fingerprints.column_digest
+
+    def counted(table: pa.Table, columns: tuple[str, ...]) -> str:
+        digested.append(columns)
+        return real(table, columns)
+
+    monkeypatch.setattr(fingerprints, "column_digest", counted)
+    return digested
+
+
+def test_an_unchanged_phase_set_opens_without_digesting_its_sources(bucketed_root, monkeypatch):
+    """Every rank opens the set: a file whose size, mtime and inode are as mixed is trusted
+    (a digest is ~1 s per 1M rows); a touched file is digested, and the same rows pass."""
+    from sdtrain.data import PhaseSet
+
+    root = bucketed_root
+    mix.build_phase_set(root, catalog(root), phase(MixEntry(dataset="b", count=20), seed=4))
+    phase_dir = root / "phases" / "p1"
+    digested = count_digests(monkeypatch)
+    PhaseSet(phase_dir)
+    assert digested == []
+
+    tokens = root / "b" / "tokens" / "00001.parquet"
+    st = tokens.stat()
+    os.utime(tokens, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: the same rows
+    PhaseSet(phase_dir)
+    assert digested == [("key",)]
+
+
+def test_a_keys_file_rewritten_in_place_at_its_size_is_refused(bucketed_root, monkeypatch):
+    """Same size, same inode, other rows: its mtime moved, so it is digested and refused."""
+    from sdtrain.data import PhaseSet
+
+    root = bucketed_root
+    mix.build_phase_set(root, catalog(root), phase(MixEntry(dataset="a", count=40), seed=4))
+    phase_dir = root / "phases" / "p1"
+    path = latent_keys.path(root, "a", "00000")
+    before = path.stat()
+    table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table.take(list(range(table.num_rows))[::-1]))
+    with open(path, "r+b") as f:  # in place: the inode stays
+        f.write(sink.getvalue().to_pybytes())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1))  # the least a clock moves
+    after = path.stat()
+    assert (after.st_size, after.st_ino) == (before.st_size, before.st_ino)
+    with pytest.raises(ValueError, match=r"a/latents/00000\.keys\.arrow changed since"):
+        PhaseSet(phase_dir)
+
+
+def test_a_phase_set_mixed_without_stats_is_digested_at_open(bucketed_root, monkeypatch):
+    from sdtrain import fingerprints
+    from sdtrain.data import PhaseSet
+
+    root = bucketed_root
+    mix.build_phase_set(root, catalog(root), phase(MixEntry(dataset="a", count=40), seed=4))
+    files = root / "phases" / "p1" / layout.FILES
+    meta = json.loads(files.read_text())
+    sources = meta[fingerprints.FIELD]
+    for digests in sources.values():
+        assert set(digests) == {"keys", "tokens", "keys_stat", "tokens_stat"}
+        del digests["keys_stat"], digests["tokens_stat"]  # as sdpipe wrote it before stats
+    files.write_text(json.dumps(meta))
+    digested = count_digests(monkeypatch)
+    PhaseSet(root / "phases" / "p1")
+    assert len(digested) == 2 * len(sources)
