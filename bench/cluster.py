@@ -222,9 +222,10 @@ def run_nodes(k: int, args, base: str) -> dict:
         local.shutdown()
     seconds = max(e for _, e, _, _ in spans) - min(s for s, _, _, _ in spans)
     ok = sum(n for *_, n in spans)
-    per_node: dict[str, int] = {}
-    for *_, node, n in spans:
-        per_node[node] = per_node.get(node, 0) + n
+    per_node: dict[str, list] = {}  # node -> [first start, last end, images]
+    for start, end, node, n in spans:
+        first, last, images = per_node.get(node, [start, end, 0])
+        per_node[node] = [min(first, start), max(last, end), images + n]
     cpu["cluster_cpu_ms_per_url"] = round(1000 * cpu["cluster_cpu_s"] / num_urls, 2)
     return {
         "nodes": k,
@@ -234,7 +235,11 @@ def run_nodes(k: int, args, base: str) -> dict:
         "shard_limit": limit,
         "seconds": round(seconds, 2),
         "images_per_s": round(ok / seconds, 1),
-        "per_node_images_per_s": sorted(round(n / seconds, 1) for n in per_node.values()),
+        # Each node's images over its own first start to last end.
+        "per_node_images_per_s": sorted(round(n / (e - s), 1) for s, e, n in per_node.values()),
+        "per_node_ideal_images_per_s": round(
+            args.processes * args.threads / (args.latency_ms / 1000), 1
+        ),
         "max_in_flight": server["max_in_flight"],
         "requests": server["requests"],
         **cpu,
