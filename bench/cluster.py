@@ -33,6 +33,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -145,8 +146,6 @@ def run_nodes(k: int, args, base: str) -> dict:
     from tasks.sources import fetch_images
     from tests.ray_cluster import LocalCluster
 
-    work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
-    root = work / "data"
     started = time.perf_counter()
     local = LocalCluster(k, cpus=args.cpus)
     up_s = time.perf_counter() - started
@@ -156,6 +155,8 @@ def run_nodes(k: int, args, base: str) -> dict:
         local.shutdown()
         raise
     agents_s = time.perf_counter() - started - up_s
+    work = Path(tempfile.mkdtemp(prefix="bench-cluster-"))
+    root = work / "data"
     try:
         limit = cluster.limits(functools.partial(stage_limits, archive=False))["shards"]
 
@@ -220,6 +221,7 @@ def run_nodes(k: int, args, base: str) -> dict:
     finally:
         cluster.shutdown()
         local.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
     seconds = max(e for _, e, _, _ in spans) - min(s for s, _, _, _ in spans)
     ok = sum(n for *_, n in spans)
     per_node: dict[str, list] = {}  # node -> [first start, last end, images]
