@@ -69,8 +69,8 @@ def photo_like(rng, width: int, height: int):
     return out.clip(0, 255).astype(np.uint8)
 
 
-def image_folder(unique: int) -> Path:
-    folder = CACHE / f"{WIDTH}x{HEIGHT}-q{QUALITY}-{unique}"
+def image_folder(unique: int, width: int = WIDTH, height: int = HEIGHT) -> Path:
+    folder = CACHE / f"{width}x{height}-q{QUALITY}-{unique}"
     if (folder / "done").exists():
         return folder
     import cv2
@@ -80,7 +80,7 @@ def image_folder(unique: int) -> Path:
     rng = np.random.default_rng(0)
     for i in range(unique):
         ok, jpeg = cv2.imencode(
-            ".jpg", photo_like(rng, WIDTH, HEIGHT), [cv2.IMWRITE_JPEG_QUALITY, QUALITY]
+            ".jpg", photo_like(rng, width, height), [cv2.IMWRITE_JPEG_QUALITY, QUALITY]
         )
         assert ok
         (folder / f"{i:05d}.jpg").write_bytes(jpeg.tobytes())
