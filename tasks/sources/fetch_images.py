@@ -340,7 +340,10 @@ def repack_fetched(
     captions = rows["caption"].to_pylist()
     decoded: dict[int, tuple[str, int | None, int | None]] = {}
     results = images.repack_stream(
-        images.shared_pool(), _raw_images(download, row_of), size, min_side=min_side
+        images.shared_pool(concurrency.workers()),
+        _raw_images(download, row_of),
+        size,
+        min_side=min_side,
     )
     for i, result in results:
         if isinstance(result, str):
