@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,10 +25,21 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # After a SIGTERM, torchrun gives its ranks `stop_grace_s` to checkpoint, then kills them; we wait
 # that long and this much more for torchrun itself.
 STOP_MARGIN_S = 30
+# A line of one node of a multi-node training (tasks/phases/train_nodes.py): `[node 1 10.0.0.5] `.
+NODE_PREFIX = re.compile(r"^\[node \d+ [^\]]*\] ")
 
 
 class TrainingFailed(Exception):
     """torchrun exited non-zero; the message ends with the last lines it printed."""
+
+
+def node_line(node: int, address: str, line: str) -> str:
+    return f"[node {node} {address}] {line}"
+
+
+def without_node(line: str) -> str:
+    """A trainer line as its rank printed it, without the node prefix of a multi-node run."""
+    return NODE_PREFIX.sub("", line, count=1)
 
 
 def train_config_for_phase(
