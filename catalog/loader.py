@@ -380,7 +380,7 @@ def _check_references(c: Catalog) -> None:
         for fld in ("lr", "cfg_dropout", "flip_p"):
             if not 0 <= getattr(p, fld) <= 1:
                 raise CatalogError(f"{where}.{fld}: must be within [0, 1], got {getattr(p, fld)!r}")
-        for fld in ("warmup_steps", "epochs", "batch_size", "grad_accum"):
+        for fld in ("warmup_steps", "epochs", "batch_size", "grad_accum", "nodes"):
             if getattr(p, fld) < (0 if fld == "warmup_steps" else 1):
                 raise CatalogError(f"{where}.{fld}: out of range, got {getattr(p, fld)!r}")
         for fld, low in PHASE_MINIMUMS.items():
@@ -488,7 +488,15 @@ def check_finetune(f: Finetune, path: Path) -> None:
         raise CatalogError(f"{where}.inpaint_channels: 4 or 9, got {f.inpaint_channels!r}")
     if not 0 < f.lr <= 1:
         raise CatalogError(f"{where}.lr: must be within (0, 1], got {f.lr!r}")
-    for fld in ("steps", "batch_size", "class_steps", "num_gpus", "log_every", "sample_steps"):
+    for fld in (
+        "steps",
+        "batch_size",
+        "class_steps",
+        "num_gpus",
+        "nodes",
+        "log_every",
+        "sample_steps",
+    ):
         if getattr(f, fld) < 1:
             raise CatalogError(f"{where}.{fld}: must be >= 1, got {getattr(f, fld)!r}")
     for fld in ("lora_rank", "warmup_steps", "checkpoint_every", "sample_every"):

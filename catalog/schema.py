@@ -134,6 +134,9 @@ class Phase:
     batch_size: int
     grad_accum: int = 1
     seed: int = 0
+    # Nodes the phase trains on, every GPU of each (above 1: through the Ray cluster, see
+    # docs/scale-out.md); the curriculum flow's `nodes` parameter overrides it.
+    nodes: int = 1
     sample_prompts: tuple[str, ...] = ()  # prompts of the sample grids; empty: the trainer's
     # Training settings a phase may change; null keeps the base run config's value
     # (`sdtrain.config.TrainConfig`, which documents each).
@@ -274,6 +277,9 @@ class Finetune:
     channels_last: bool = True
     gradient_checkpointing: bool = True
     num_gpus: int = 1  # devices of the node's GPU pool a run holds (a sweep's runs share them)
+    # Nodes a run trains on, every GPU of each, instead (above 1: through the Ray cluster, see
+    # docs/scale-out.md); the finetune flow's `nodes` parameter overrides it.
+    nodes: int = 1
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

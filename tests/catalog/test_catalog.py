@@ -198,6 +198,17 @@ def test_out_of_range_value_names_file_field_and_value(catalog_copy):
     assert "1.5" in message
 
 
+def test_a_phase_trains_on_one_node_unless_it_says_more(catalog, catalog_copy):
+    assert {p.nodes for p in catalog.phases.values()} == {1}
+    edit_entry(
+        catalog_copy / "phases.yaml",
+        "phase-4",
+        "  cfg_dropout: 0.15\n",
+        "  cfg_dropout: 0.15\n  nodes: 0\n",
+    )
+    assert "phase-4.nodes: out of range, got 0" in catalog_error(catalog_copy)
+
+
 def test_unknown_phase_lookup_names_the_phase_and_the_choices(catalog):
     with pytest.raises(CatalogError) as info:
         catalog.phase("9")
