@@ -116,7 +116,10 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
         prefect_api(data_root(args.data_root)),
         progress.watch(data_root(args.data_root), phases=[phase.name]),
     ):
-        state = curriculum(phase=args.phase, data_root=args.data_root, return_state=True)
+        state = curriculum(
+            phase=args.phase, data_root=args.data_root, nodes=args.nodes, cluster=args.cluster,
+            return_state=True,
+        )  # fmt: skip
     return _report(state)
 
 
@@ -227,7 +230,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             key, values = flow.parse_values(args.sweep)
             flow.sweep_settings(args.name, key, values, settings)  # before any server starts
             with prefect_api(root):
-                runs = flow.submit_sweep(args.name, key, values, settings)
+                runs = flow.submit_sweep(
+                    args.name, key, values, settings, nodes=args.nodes, cluster=args.cluster
+                )
         else:
             _, _, warnings = flow.preflight(args.name, settings, root)
             for warning in warnings:
@@ -247,8 +252,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         return 0 if all(r.state.is_completed() for r in ended) else 1
     with prefect_api(root):
         state = flow.finetune(
-            name=args.name, settings=settings, data_root=args.data_root, return_state=True
-        )
+            name=args.name, settings=settings, data_root=args.data_root, nodes=args.nodes,
+            cluster=args.cluster, return_state=True,
+        )  # fmt: skip
     if code := _report(state):
         return code
     s = state.result()
@@ -273,7 +279,14 @@ def _add_finetune_parser(sub) -> None:
         "--sweep", metavar="KEY=V1,V2,...", help="e.g. lr=1e-5,2e-5,5e-5: one flow run per value"
     )
     p.add_argument("--wait", action="store_true", help="with --sweep: wait for the runs to end")
+    _add_nodes_arguments(p)
     p.set_defaults(fn=cmd_finetune)
+
+
+def _add_nodes_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=0, help="train on N nodes of the Ray cluster, "
+                   "every GPU of each (default: the catalog entry's nodes; 1: here)")  # fmt: skip
+    p.add_argument("--cluster", default="", help="the Ray cluster (default: $RAY_ADDRESS)")
 
 
 # ---- sdpipe eval ------------------------------------------------------------------------------
@@ -485,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_build_latents)
     p = sub.add_parser("curriculum", help="build a phase's mix and train it, here")
     p.add_argument("phase", help="phase-N, N, or demo")
+    _add_nodes_arguments(p)
     p.set_defaults(fn=cmd_curriculum)
     p = sub.add_parser(
         "plan",

@@ -7,7 +7,9 @@ N-1's final weights and the flow refuses to start before they exist. After train
 evaluated on its eval set (flows/evaluate.py), whose networks are checked before training starts.
 Trainer lines stream into the logs and a progress artifact. A training holds the slots of its
 node's GPU pool (flows/pools.py: the global concurrency limit `sdpipe-gpu-<pool>`) for every
-GPU it uses, so it never shares GPUs with score/encode shards or another training. A failed
+GPU it uses, so it never shares GPUs with score/encode shards or another training; on more
+than one node (the phase's `nodes`, or the flow's) it trains through the Ray cluster, whose
+placement group holds the nodes' GPUs instead (tasks/phases/train_nodes.py). A failed
 training leaves `runs/<phase>/failed.json` (for `sdpipe status`); a successful one removes it.
 """
 
@@ -113,9 +115,22 @@ def training_slot() -> Iterator[None]:
         yield
 
 
+def on_nodes(nodes: int, cluster: str) -> bool:
+    """Whether a training goes through the Ray cluster: more than one node, or a cluster named."""
+    return nodes > 1 or bool(cluster)
+
+
 @task(name="train", task_run_name="train-{phase.name}")
-def train_task(root: Path, phase: Phase, init_from: str, wandb_project: str = "") -> dict:
+def train_task(
+    root: Path,
+    phase: Phase,
+    init_from: str,
+    wandb_project: str = "",
+    nodes: int = 0,
+    cluster: str = "",
+) -> dict:
     logger = get_run_logger()
+    nodes = nodes or phase.nodes
     config = train_config_for_phase(
         phase,
         phase_dir=root / "phases" / phase.name,
@@ -147,8 +162,15 @@ def train_task(root: Path, phase: Phase, init_from: str, wandb_project: str = ""
     failure = root / "runs" / phase.name / "failed.json"
     start = time.monotonic()
     try:
-        with training_slot():
-            summary = launch_training(config, on_line=live.watching(on_line))
+        if on_nodes(nodes, cluster):
+            from tasks.phases.train_nodes import launch_training_on_nodes
+
+            summary = launch_training_on_nodes(
+                config, nodes=nodes, cluster=cluster, on_line=live.watching(on_line)
+            )
+        else:
+            with training_slot():
+                summary = launch_training(config, on_line=live.watching(on_line))
     except Exception as e:
         shards.write_failure(failure, e, time.monotonic() - start)
         raise
@@ -158,11 +180,19 @@ def train_task(root: Path, phase: Phase, init_from: str, wandb_project: str = ""
 
 
 @flow(name="curriculum", log_prints=True)
-def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project: str = ""):
+def curriculum(
+    phase: str = "demo",
+    data_root: str | None = None,
+    wandb_project: str = "",
+    nodes: int = 0,
+    cluster: str = "",
+):
     """Build a phase's mix and train it, starting from the previous phase's final weights.
 
     A rerun after a failure or cancellation resumes the training from its latest checkpoint;
     `wandb_project` also logs the training to Weights & Biases (needs `pip install wandb`).
+    `nodes` (0: the phase's) trains on that many nodes of the Ray cluster at `cluster` (else
+    RAY_ADDRESS), every GPU of each; 1 without a cluster trains here.
     """
     logger = get_run_logger()
     root = shards.data_root(data_root)
@@ -172,7 +202,7 @@ def curriculum(phase: str = "demo", data_root: str | None = None, wandb_project:
         if not mix.run_has_checkpoints(root, spec.name):  # a resume keeps its phase set
             plan_task(root, catalog, spec)
         report = mix_task(root, catalog, spec)
-        summary = train_task(root, spec, init_from, wandb_project)
+        summary = train_task(root, spec, init_from, wandb_project, nodes, cluster)
         scores = evaluate.eval_task(root, spec.name) if spec.eval_set else None
     except (CatalogError, PhaseNotReady, mix.MixError, TrainingFailed, *evaluate.USER_ERRORS) as e:
         logger.error(str(e))

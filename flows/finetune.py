@@ -5,6 +5,8 @@ A run's `settings` (a sweep's value) override the entry's and its files land und
 `<root>/finetunes/<name>/runs/<run_name>/`. Preparation holds one device of the node's GPU pool
 and training `num_gpus` of them (flows/pools.py), claimed devices made the ranks' visible ones,
 so the runs of a sweep train side by side where the pool has slots, in turn where it has not.
+On more than one node (the entry's `nodes`, or the flow's) training goes through the Ray
+cluster instead, every GPU of each node (tasks/phases/train_nodes.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from prefect.states import Failed
 
 from catalog import CatalogError, Finetune, load_catalog
 from flows import pools, train_pictures
-from flows.curriculum import parse_step_line
+from flows.curriculum import on_nodes, parse_step_line
 from flows.stages import artifact_key
 from sdtrain.models import ModelLoadError
 from sdtrain.weights import WeightsNotFound
@@ -93,10 +95,13 @@ def prepare_task(root: Path, spec: Finetune, base: ft.Base) -> dict:
 
 
 @task(name="finetune-train", task_run_name="train-{spec.name}-{run_name}", cache_policy=NO_CACHE)
-def train_task(root: Path, spec: Finetune, base: ft.Base, run_name: str) -> dict:
+def train_task(
+    root: Path, spec: Finetune, base: ft.Base, run_name: str, nodes: int = 0, cluster: str = ""
+) -> dict:
     from tasks.phases.train import launch_training
 
     logger = get_run_logger()
+    nodes = nodes or spec.nodes
     config = ft.train_config(root, spec, base, run_name)
     key = artifact_key("finetune", spec.name, run_name)
     progress_id = create_progress_artifact(
@@ -111,13 +116,20 @@ def train_task(root: Path, spec: Finetune, base: ft.Base, run_name: str) -> dict
     live = train_pictures.LivePictures(
         Path(config.run_dir), key=f"{key}-train-pictures", title=f"{spec.name}/{run_name}"
     )
-    logger.info(
-        "waiting for %d device(s) of the GPU pool %r", spec.num_gpus, pools.gpu_limit_name()
-    )
-    with pools.gpu_devices(spec.num_gpus) as devices:
-        logger.info("training on %s", ", ".join(map(str, devices)))
-        nproc, env = visible_devices(devices)
-        summary = launch_training(config, nproc=nproc, on_line=live.watching(on_line), env=env)
+    if on_nodes(nodes, cluster):  # the placement group holds the nodes' GPUs
+        from tasks.phases.train_nodes import launch_training_on_nodes
+
+        summary = launch_training_on_nodes(
+            config, nodes=nodes, cluster=cluster, on_line=live.watching(on_line)
+        )
+    else:
+        logger.info(
+            "waiting for %d device(s) of the GPU pool %r", spec.num_gpus, pools.gpu_limit_name()
+        )
+        with pools.gpu_devices(spec.num_gpus) as devices:
+            logger.info("training on %s", ", ".join(map(str, devices)))
+            nproc, env = visible_devices(devices)
+            summary = launch_training(config, nproc=nproc, on_line=live.watching(on_line), env=env)
     live.refresh()
     return summary
 
@@ -140,13 +152,16 @@ def finetune(
     settings: dict | None = None,
     run_name: str = "",
     data_root: str | None = None,
+    nodes: int = 0,
+    cluster: str = "",
 ):
     """Fine-tune the catalog entry `name`: DreamBooth, inpainting, optionally LoRA.
 
     `settings` override the entry's (e.g. {"lr": 2e-5}, as a sweep submits them); the run's
     folder is `<root>/finetunes/<name>/runs/<run_name>` (default: named by the settings). A
     rerun resumes the training from its latest checkpoint; images already encoded and class
-    images already made are reused.
+    images already made are reused. `nodes` (0: the entry's) trains on that many nodes of the
+    Ray cluster at `cluster` (else RAY_ADDRESS), every GPU of each; 1 without a cluster: here.
     """
     logger = get_run_logger()
     root = shards.data_root(data_root)
@@ -158,7 +173,7 @@ def finetune(
         for warning in warnings:
             logger.warning(warning)
         data = prepare_task(root, spec, base)
-        summary = train_task(root, spec, base, run_name)
+        summary = train_task(root, spec, base, run_name, nodes, cluster)
         export = export_task(Path(summary["checkpoint"]).parent, spec, run_name)
     except (
         CatalogError,
@@ -224,9 +239,12 @@ def sweep_settings(name: str, key: str, values: list, settings: dict) -> list[di
     return runs
 
 
-def submit_sweep(name: str, key: str, values: list, settings: dict) -> list:
+def submit_sweep(
+    name: str, key: str, values: list, settings: dict, *, nodes: int = 0, cluster: str = ""
+) -> list:
     """One flow run of deployment finetune/<name> per value (each checked first, as the
-    catalog checks the entry); returns the flow runs. Nothing is submitted if one is bad."""
+    catalog checks the entry), each on `nodes` nodes of `cluster` if given; returns the flow
+    runs. Nothing is submitted if one is bad."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.exceptions import ObjectNotFound
@@ -244,7 +262,9 @@ def submit_sweep(name: str, key: str, values: list, settings: dict) -> list:
     return [
         run_deployment(
             deployment,
-            parameters={"name": name, "settings": s, "run_name": run_name_for(s)},
+            parameters={"name": name, "settings": s, "run_name": run_name_for(s)}
+            | ({"nodes": nodes} if nodes else {})
+            | ({"cluster": cluster} if cluster else {}),
             timeout=0,
         )
         for s in runs

@@ -17,6 +17,7 @@ from pathlib import Path
 from PIL import Image
 
 from sdtrain.monitor import read_log
+from tasks.phases.train import without_node
 from tasks.runtime import pictures
 
 GRID_LINE = re.compile(r"^sample grid step (\d+): ")
@@ -128,10 +129,11 @@ class LivePictures:
         def handle(line: str) -> None:
             on_line(line)
             due = time.monotonic() - self.last_refresh >= REFRESH_EVERY_S
+            said = without_node(line)  # as the rank printed it, on any node
             if (
-                GRID_LINE.match(line)
-                or VALIDATION_LINE.match(line)
-                or (due and STEP_LINE.match(line))
+                GRID_LINE.match(said)
+                or VALIDATION_LINE.match(said)
+                or (due and STEP_LINE.match(said))
             ):
                 self.refresh()
 
