@@ -93,7 +93,7 @@ class NodeTrainer:
 
 
 class _Nodes:
-    """The launcher's view of the actors: each node's place, lines read, exit code, loss."""
+    """The launcher's view of the actors: each node's place, lines read, exit code, or loss."""
 
     def __init__(self, actors: list, places: list[dict], on_line: Callable[[str], None]):
         self.actors, self.places, self.on_line = actors, places, on_line
@@ -183,7 +183,9 @@ def launch_training_on_nodes(
                 num_cpus=1,
                 num_gpus=gpus,
                 max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=i
+                ),
             )
             .remote()
             for i in range(nodes)
@@ -264,6 +266,8 @@ def start(
     # One thread per rank: torch would otherwise start a full pool in every rank.
     rank_env = {**forwarded, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     nodes = _Nodes(actors, places, on_line)
+    # The first node hosts the rendezvous store, said outright: torchrun's guess from the
+    # address fails where nodes share one (containers on one host, the tests' local cluster).
     for i, (actor, place) in enumerate(zip(actors, places, strict=True)):
         args = [
             "--nnodes", str(len(actors)), "--nproc-per-node", str(ranks),
