@@ -284,8 +284,7 @@ def _add_finetune_parser(sub) -> None:
 
 
 def _add_nodes_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=0, help="train on N nodes of the Ray cluster, "
-                   "every GPU of each (default: the catalog entry's nodes; 1: here)")  # fmt: skip
+    p.add_argument("--nodes", type=int, default=0, help="train on N Ray nodes (default: catalog's)")
     p.add_argument("--cluster", default="", help="the Ray cluster (default: $RAY_ADDRESS)")
 
 

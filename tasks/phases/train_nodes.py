@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -183,6 +184,7 @@ def launch_training_on_nodes(
                 num_cpus=1,
                 num_gpus=gpus,
                 max_restarts=0,
+                runtime_env={"env_vars": {"PYTHONPATH": python_path()}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=i
                 ),
@@ -203,6 +205,13 @@ def launch_training_on_nodes(
                 ray.kill(a)
 
 
+def python_path() -> str:
+    """This checkout first on the nodes' PYTHONPATH: the actors run this code, not a copy
+    installed there (the same path on every node)."""
+    paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return os.pathsep.join(dict.fromkeys(paths))
+
+
 @contextlib.contextmanager
 def connected(cluster: str, nodes: int) -> Iterator[None]:
     """Connected to the Ray cluster; disconnected after, if connected here."""
@@ -215,7 +224,10 @@ def connected(cluster: str, nodes: int) -> Iterator[None]:
             f"training on {nodes} nodes needs a Ray cluster: give its address (the `cluster` "
             "parameter, e.g. HEAD:6379) or set RAY_ADDRESS"
         )
-    ray.init(address=address, log_to_driver=False)
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise TrainingFailed(f"no Ray cluster answers at {address!r} ({e})") from e
     try:
         yield
     finally:
