@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tasks.runtime.net import unreachable
 from tasks.runtime.shards import ShardStats, current_node
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,11 @@ class Cluster:
         self.nodes: list[Node] = []
         self.connected = not ray.is_initialized()
         if self.connected:
+            if (why := unreachable(address)) is not None:
+                raise ClusterError(
+                    f"no Ray cluster answers at {address!r} ({why}): start it (`ray start "
+                    "--head` on its head node) or give another address"
+                )
             try:
                 ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as e:

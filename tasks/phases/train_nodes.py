@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sdtrain.config import TrainConfig
 from tasks.phases.train import STOP_MARGIN_S, TrainingFailed, node_line
+from tasks.runtime.net import unreachable
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # What the ranks need from the launching process (the flow run) besides the node's own
@@ -224,6 +225,8 @@ def connected(cluster: str, nodes: int) -> Iterator[None]:
             f"training on {nodes} nodes needs a Ray cluster: give its address (the `cluster` "
             "parameter, e.g. HEAD:6379) or set RAY_ADDRESS"
         )
+    if (why := unreachable(address)) is not None:
+        raise TrainingFailed(f"no Ray cluster answers at {address!r} ({why})")
     try:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as e:

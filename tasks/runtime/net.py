@@ -10,3 +10,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers at a Ray cluster's `HOST:PORT` (or `ray://HOST:PORT`) address, or
+    None if it accepts a connection (or is not of that form: `auto`, `local`). `ray.init` on an
+    address where nothing listens retries for minutes before it fails; this fails in seconds."""
+    rest = address.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return None
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or e}"
