@@ -49,7 +49,8 @@ class NodeTrainer:
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
-        self.lines: list[str] = []
+        self.lines: list[str] = []  # torchrun's lines not yet read by the launcher
+        self.first = 0  # the number of the first of them (the ones before were read)
         self.returncode: int | None = None
 
     def where(self) -> dict:
@@ -84,9 +85,14 @@ class NodeTrainer:
         self.returncode = self.proc.wait()  # after the last line, so a reader sees them all
 
     def read(self, offset: int) -> tuple[list[str], int | None]:
-        """The lines after the first `offset`, and torchrun's exit code once it has ended."""
+        """The lines after the first `offset`, and torchrun's exit code once it has ended.
+        Lines before `offset` were read: they are dropped (weeks of a run's output are not
+        kept in this actor)."""
         returncode = self.returncode  # first: once set, every line is in
-        return self.lines[offset:], returncode
+        if offset > self.first:
+            del self.lines[: offset - self.first]
+            self.first = offset
+        return self.lines[offset - self.first :], returncode
 
     def stop(self) -> None:
         """SIGTERM to torchrun, which passes it to the ranks: they checkpoint and stop."""
