@@ -63,7 +63,13 @@ def test_tokenize_runs_at_most_16_processes_by_default(monkeypatch):
     monkeypatch.delenv("SDPIPE_TOKENIZE_PROCESSES", raising=False)
     assert concurrency.tokenize_processes(128) == 16
     assert concurrency.tokenize_processes(4) == 4
-    unit = build_latents._tokenize_unit(Path("/data"), "laion", "00000", 128)
-    assert unit.func is concurrency.in_process and unit.args[0] == 16
+    calls = []  # the process pools a tokenize unit runs its shard in
+    monkeypatch.setattr(concurrency, "in_process", lambda n, fn, *args: calls.append(n))
+    build_latents._tokenize_unit(Path("/data"), "laion", "00000", 128)()
     monkeypatch.setenv("SDPIPE_TOKENIZE_PROCESSES", "40")
-    assert build_latents._tokenize_unit(Path("/data"), "laion", "00000", 128).args[0] == 40
+    build_latents._tokenize_unit(Path("/data"), "laion", "00000", 128)()
+    # On a cluster the unit reads the budget of the node that runs it (SDPIPE_WORKERS there).
+    monkeypatch.delenv("SDPIPE_TOKENIZE_PROCESSES")
+    monkeypatch.setenv("SDPIPE_WORKERS", "6")
+    build_latents._tokenize_unit(Path("/data"), "laion", "00000", None)()
+    assert calls == [16, 40, 6]
