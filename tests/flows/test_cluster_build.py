@@ -173,7 +173,7 @@ def test_a_node_lost_mid_fetch_costs_only_its_shards(web, one_node, cluster, pre
     root = folder / "lost-node" / "data"
     root.parent.mkdir()
     names = {}  # a node's name in the records -> its Ray node id
-    mirror.delay_s = 0.5  # a shard's fetch takes seconds: the node dies with shards in flight
+    mirror.delay_s = 1.0  # a shard's fetch takes seconds: the node dies with shards in flight
     proc = build(root, catalog, prefect_stack[1], "--cluster", cluster.address, wait=False)
     output: list[bytes] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
