@@ -226,6 +226,8 @@ def bench_semantic(args) -> dict:
             # Rows whose next centroid past their visits was within reach (issue 26).
             "beyond_visits": index.beyond_visits,
             "largest_cluster": index.largest_cluster,
+            # The most bytes the store's folder held while it was built (runs, then the store).
+            "temp_bytes_per_row": round(index.temp_bytes / args.rows),
             "rounds": index.rounds,
             "planted_true_pairs": len(true_pairs),
             "planted_pairs_meeting": round(float(meet.mean()), 6),

@@ -26,8 +26,8 @@ from catalog import FilterProfile
 from tasks.curation.phash_dedup import NearHashes
 from tasks.curation.semantic_dedup import Parts, SemanticIndex
 
-# A folder for semantic dedup's cluster-ordered store (a local disk: it is written randomly);
-# unset, the source's folder on the data root.
+# A folder for semantic dedup's cluster-ordered store (a local disk: each round of the survivor
+# rule reads it again); unset, the source's folder on the data root.
 SEMANTIC_TEMP_ENV = "SDPIPE_SEMANTIC_TEMP"
 
 # Survivor order of near and semantic duplicates: largest image, then highest aesthetic

@@ -8,8 +8,11 @@ every one near the threshold is confirmed in float64: CPU and GPU make the same 
 
 Bytes per row, N rows of dimension D, m = `max_visits` (the profile's `semantic_visits`), v the
 mean visits a row makes (<= m; 1.14 at 1M CLIP-like rows, m = 2), S = N (1 + v) slots:
-- the cluster-ordered store (disk, under the stage's work folder): fp16, 2 D per slot, so
-  2 D (1 + v) per row: ~3,290 B at D = 768, v = 1.14; at most 2 D (1 + m) = 4,608 B.
+- the cluster-ordered store (disk, `SDPIPE_SEMANTIC_TEMP`): fp16, 2 D per slot, so 2 D (1 + v)
+  per row: ~3,290 B at D = 768, v = 1.14; at most 2 D (1 + m) = 4,608 B. It is written in
+  sequence (`tasks.curation.semantic_store`): runs of (slot int64, row) records, 8 + 2 D per
+  slot, become the store a bucket at a time, so the folder holds at most (8 + 2 D) (1 + v)
+  per row plus a bucket: ~3,300 B at D = 768, v = 1.14 (`temp_bytes`, measured).
 - the index, held for the stage: `slot_row` int64 + `slot_cluster` int32 per slot (12 (1 + v)),
   `primary_slot` int64 (8) and `visitor_slot` int64 x m (8 m) per row, and `losers`' int8
   state and three bool masks (4): 24 + 8 m + 12 v = 54 B at m = 2, v = 1.14.
@@ -32,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tasks.curation.semantic_store import cluster_ordered
 from tasks.curation.survivors import ABSENT, DROPPED, SURVIVES, UNDECIDED, settle
 
 Reader = Callable[[], tuple[np.ndarray, np.ndarray]]  # -> (row int64 [b], embedding fp16 [b, D])
@@ -159,18 +163,18 @@ class SemanticIndex:
         self.visitor_slot[visitor_row, visit] = slot_of_entry[n:]
         self.num_visits = len(visitor_row)
         self.largest_cluster = int(np.diff(self.offsets).max()) if n else 0  # rows + visitors
-        shape = (len(by_slot), parts.dim)
+        self.temp_bytes = 0  # the most bytes the store's folder held while it was built
         if workdir is None:
-            self.store = np.empty(shape, np.float16)
-        else:  # cluster-ordered on disk under the data root; the page cache holds what fits
-            self.store = np.lib.format.open_memmap(
-                Path(workdir) / "semantic-slots.npy", "w+", np.float16, shape
+            self.store = np.empty((len(by_slot), parts.dim), np.float16)
+            for read in parts.readers:
+                rows, emb = read()
+                self.store[self.primary_slot[rows]] = emb
+                for slot in self.visitor_slot[rows].T:
+                    self.store[slot[slot >= 0]] = emb[slot >= 0]
+        else:  # on disk, written in sequence; the page cache holds what fits
+            self.store, self.temp_bytes = cluster_ordered(
+                parts, self.primary_slot, self.visitor_slot, self.offsets, workdir
             )
-        for read in parts.readers:
-            rows, emb = read()
-            self.store[self.primary_slot[rows]] = emb
-            for slot in self.visitor_slot[rows].T:
-                self.store[slot[slot >= 0]] = emb[slot >= 0]
         self.rounds = 0
         self.alone: np.ndarray | None = None  # rows without a better duplicate among all
 
@@ -280,7 +284,7 @@ class SemanticIndex:
         refs = np.flatnonzero(row_state <= SURVIVES)  # undecided or surviving
         if not len(queries) or refs[0] >= queries[-1]:
             return
-        raw = torch.from_numpy(np.ascontiguousarray(self.store[start:stop])).to(self.device)
+        raw = torch.from_numpy(np.array(self.store[start:stop])).to(self.device)
         low = F.normalize(raw.float(), dim=1).to(self.dtype)
         survives = torch.from_numpy(row_state == SURVIVES).to(self.device)
         to_survivor, to_undecided = self._sweep(raw, low, survives, queries, refs)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from catalog.schema import FilterProfile
-from tasks.curation import dedup, semantic_dedup
+from tasks.curation import dedup, semantic_dedup, semantic_store
 from tasks.curation import filter as filter_stage
 from tasks.curation.semantic_dedup import Parts, SemanticIndex
 from tasks.curation.waterfall import Waterfall
@@ -280,3 +280,39 @@ def test_the_store_goes_to_the_semantic_temp_folder(fetched, scene, tmp_path, mo
     filter_stage.select_pixels(tmp_path, "src", PROFILE, scored=True)
     assert used == [local if setting else tmp_path / "src"]
     assert list(used[0].glob(".semantic.tmp-*")) == []  # removed after use
+
+
+def test_the_store_on_disk_is_written_in_sequence(tmp_path, monkeypatch):
+    """Issue 26: the cluster-ordered store is filled by appends (each part's rows to runs per
+    bucket of clusters, then bucket by bucket in slot order), never through a writable memory
+    map; it holds what the in-memory store holds, the runs are gone after, and the folder held
+    at most the runs' bytes plus a bucket."""
+    modes = []
+
+    class Seen(np.memmap):
+        def __new__(cls, filename, dtype=np.uint8, mode="r+", *args, **kwargs):
+            modes.append(mode)
+            return super().__new__(cls, filename, dtype, mode, *args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", Seen)
+    monkeypatch.setattr(semantic_store, "BUCKET_BYTES", 20_000)  # ~20 buckets
+    x = planted(3000)
+    rank = np.random.default_rng(1).permutation(3000)
+    built = {
+        where: SemanticIndex(
+            Parts.from_array(x, part_rows=700),
+            rank,
+            THRESHOLD,
+            num_clusters=12,
+            max_visits=2,
+            workdir=where,
+        )
+        for where in (None, tmp_path)
+    }
+    on_disk, in_memory = built[tmp_path], built[None]
+    assert modes == ["r"]
+    np.testing.assert_array_equal(np.asarray(on_disk.store), in_memory.store)
+    assert [p.name for p in tmp_path.iterdir()] == [semantic_store.STORE_NAME]
+    np.testing.assert_array_equal(on_disk.losers(), greedy_over_all_pairs(all_pairs(x), rank))
+    num_slots, dim = on_disk.store.shape
+    assert 2 * dim * num_slots < on_disk.temp_bytes < 1.15 * (8 + 2 * dim) * num_slots
