@@ -316,7 +316,7 @@ class SemanticIndex:
             start, stop = self.offsets[c], self.offsets[c + 1]
             q = query[cluster == c]
             members = torch.from_numpy(np.array(self.store[start:stop])).to(self.device)
-            i, j = self._pairs(raw[q], members)
+            i, j = self._pairs(raw[torch.from_numpy(q).to(self.device)], members)
             q, x = q[i], self.slot_row[start + j]
             shared = (mine[q, :, None] == self.clusters_of(x)[:, None, :]) & (mine[q, :, None] >= 0)
             missed[q[~shared.any(axis=(1, 2))]] = True

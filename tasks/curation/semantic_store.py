@@ -5,7 +5,8 @@ writes. Instead each part appends its rows, grouped by bucket (a range of whole 
 one run file per bucket; then bucket by bucket a run is read whole, put in slot order in memory,
 appended to the store and deleted. Memory holds a part or a bucket (BUCKET_BYTES of runs, more
 past MAX_BUCKETS x that: 1.3 GB at 100M rows of D = 768); the disk holds the store and the runs
-not yet assembled: at most (8 + 2 D) bytes per slot plus a bucket's store.
+not yet assembled: at most (8 + 2 D) bytes per slot plus a bucket's store. All of it lives in
+the caller's own folder (`tasks.curation.dedup.semantic_workdir`): no later run reads it.
 """
 
 from __future__ import annotations

@@ -155,6 +155,9 @@ def test_gpu_and_cpu_make_the_same_decisions():
     cpu = dedup.semantic_losers(x, rank, THRESHOLD, device="cpu", num_clusters=12)
     gpu = dedup.semantic_losers(x, rank, THRESHOLD, device="cuda", num_clusters=12)
     np.testing.assert_array_equal(gpu, cpu)
+    index = SemanticIndex(Parts.from_array(x), rank, THRESHOLD, device="cuda", num_clusters=12)
+    missed = index.estimate_missed()  # its sample searched on the device too
+    assert missed.sampled == min(semantic_dedup.MISS_SAMPLE, index.beyond_visits)
 
 
 def test_a_killed_runs_embeddings_are_removed_by_the_next_run(tmp_path):
