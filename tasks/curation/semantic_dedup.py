@@ -240,7 +240,10 @@ class SemanticIndex:
             for start in range(0, len(rows), 16384):
                 y = self._unit(emb[start : start + 16384]) - center
                 every = _scores(y, centroids, torch.float32)
-                scores, nearest = every.topk(1 + self.max_visits)
+                # topk breaks exact ties (equal centroids) by its k: the one past the visits,
+                # which the layout was first drawn with, keeps it as it was.
+                past = min(k, 2 + self.max_visits)
+                scores, nearest = (t[:, : 1 + self.max_visits] for t in every.topk(past))
                 # y's distance to the bisector of cA, cB: (|y-cA|^2 - |y-cB|^2) / 2|cA-cB|.
                 apart = (centroids[nearest[:, 1:]] - centroids[nearest[:, :1]]).norm(dim=2)
                 to_bisector = (scores[:, :1] - scores[:, 1:]) / apart.clamp_min(1e-6)
