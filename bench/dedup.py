@@ -8,8 +8,9 @@ pHash (`tasks.curation.dedup.phash_losers`, end to end: distinct hashes, pairs, 
   the same process: `growth_10x` = seconds(N) / seconds(N/10).
 `--semantic`: N x 768 CLIP-like embeddings (a shared direction, topics of Zipf-like sizes,
 subtopics; 4% near copies at cosine ~0.96-0.999, some copies of copies; 2% near misses at
-~0.89-0.94; 0.5% in placeholder blobs), SemDeDup on the device; then a 50k sample of them
-judged by clusters and by all pairs.
+~0.89-0.94; 0.5% in placeholder blobs), SemDeDup on the device with its store on disk (the
+temporary folder's peak bytes per row, the estimate of missed duplicates); then a 50k sample
+of them judged by clusters and by all pairs.
 Prints one JSON object, last.
 Usage: python bench/dedup.py [--rows N] [--clustered | --semantic] [--max-distance K]
        [--sample M] [--device D]
@@ -204,6 +205,9 @@ def bench_semantic(args) -> dict:
         again = time.perf_counter()
         index.losers(np.random.default_rng(2).random(args.rows) < 0.9)  # in sequence
         second_s = time.perf_counter() - again
+        again = time.perf_counter()
+        missed = index.estimate_missed()
+        estimate_s = time.perf_counter() - again
         # Planted pairs that are duplicates (cosine >= threshold in float64) and meet in some
         # cluster: the only pairs the clustering could lose are those that do not.
         unit = x[pairs].astype(np.float64)
@@ -223,9 +227,16 @@ def bench_semantic(args) -> dict:
             "dropped": int(lost.sum()),
             "num_clusters": index.num_clusters,
             "visits": index.num_visits,
-            # Rows whose next centroid past their visits was within reach (issue 26).
+            # Rows with a centroid within reach that they do not visit, and of a sample of
+            # them, those with a duplicate never compared with them (issue 26).
             "beyond_visits": index.beyond_visits,
+            "missed_sampled": missed.sampled,
+            "missed_sample": missed.missed_sample,
+            "missed_estimate": missed.estimated,
+            "estimate_seconds": round(estimate_s, 1),
             "largest_cluster": index.largest_cluster,
+            # The most bytes the store's folder held while it was built (runs, then the store).
+            "temp_bytes_per_row": round(index.temp_bytes / args.rows),
             "rounds": index.rounds,
             "planted_true_pairs": len(true_pairs),
             "planted_pairs_meeting": round(float(meet.mean()), 6),

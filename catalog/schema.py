@@ -67,10 +67,10 @@ class FilterProfile:
     dedup: tuple[str, ...] = ("url", "sha256")  # of: url, sha256, phash, semantic
     phash_distance: int = 4  # near duplicates: pHash Hamming distance <= this
     semantic_threshold: float = 0.95  # semantic duplicates: embedding cosine >= this
-    # Nearest other clusters a row near a boundary also visits in semantic dedup; a row whose
-    # next one was within reach too is counted (`semantic_beyond_visits` in the stage's record
-    # and waterfall, an upper bound on the rows that could lose a duplicate): more visits find
-    # those, at more work per cluster.
+    # Nearest other clusters a row near a boundary also visits in semantic dedup. The stage's
+    # record and waterfall give the rows that could lose a duplicate (`semantic_beyond_visits`)
+    # and, from a sample of them, the rows estimated to have lost one
+    # (`semantic_missed_estimate`): more visits find those, at more work per cluster.
     semantic_visits: int = 2
     # Tagged local folders (JSON metadata with `tags` and `score`, as in seed 002): an image with
     # any of `exclude_tags` is dropped (`excluded_tag`); `remove_tags` are left out of the

@@ -26,8 +26,8 @@ from catalog import FilterProfile
 from tasks.curation.phash_dedup import NearHashes
 from tasks.curation.semantic_dedup import Parts, SemanticIndex
 
-# A folder for semantic dedup's cluster-ordered store (a local disk: it is written randomly);
-# unset, the source's folder on the data root.
+# A folder for semantic dedup's cluster-ordered store (a local disk: each round of the survivor
+# rule reads it again); unset, the source's folder on the data root.
 SEMANTIC_TEMP_ENV = "SDPIPE_SEMANTIC_TEMP"
 
 # Survivor order of near and semantic duplicates: largest image, then highest aesthetic
@@ -82,8 +82,10 @@ def mark(
     """Mark one level's duplicates among the still-kept rows of table `passing` (column `reason`
     NULL = kept); returns (alone: among all of them, removed: among the still-kept ones).
     `device`: where semantic similarities are computed (a GPU the caller holds a slot of).
-    `notes` (semantic): gets `semantic_visits` and `semantic_beyond_visits`, the rows whose
-    next cluster past their visits was within reach (a duplicate there may be missed)."""
+    `notes` (semantic): gets `semantic_visits`; `semantic_beyond_visits`, the rows with a
+    cluster within reach that they do not visit (only they can miss a duplicate); and from a
+    sample of those (`semantic_sampled`), the ones that did (`semantic_missed_sample`) and the
+    estimate over all (`semantic_missed_estimate`)."""
     reason = f"duplicate_{level}"
     if level in ("key", "url", "sha256"):
         order = "filename, file_row_number" if level == "key" else "key, filename, file_row_number"
@@ -133,8 +135,12 @@ def mark(
                 )
                 alone, lost = int(index.losers().sum()), index.losers(kept)
                 if notes is not None:
+                    missed = index.estimate_missed()
                     notes["semantic_visits"] = profile.semantic_visits
                     notes["semantic_beyond_visits"] = index.beyond_visits
+                    notes["semantic_sampled"] = missed.sampled
+                    notes["semantic_missed_sample"] = missed.missed_sample
+                    notes["semantic_missed_estimate"] = missed.estimated
                 del index
         else:
             alone, lost = 0, kept

@@ -5,18 +5,26 @@ nearest centroid (a row near a boundary also visits the next nearest, up to `max
 a pair the boundary splits still meets), once to copy them into a cluster-ordered fp16 file;
 memory holds a part and a cluster, never the set. Similarities are screened in bf16/fp16 and
 every one near the threshold is confirmed in float64: CPU and GPU make the same decisions.
+Only a row with a centroid within reach that it does not visit can miss a duplicate: they
+are counted (`beyond_visits`; nearly every row of CLIP-like data) and a seeded sample of them
+is searched in those clusters (`estimate_missed`), which estimates the rows that did.
 
 Bytes per row, N rows of dimension D, m = `max_visits` (the profile's `semantic_visits`), v the
 mean visits a row makes (<= m; 1.14 at 1M CLIP-like rows, m = 2), S = N (1 + v) slots:
-- the cluster-ordered store (disk, under the stage's work folder): fp16, 2 D per slot, so
-  2 D (1 + v) per row: ~3,290 B at D = 768, v = 1.14; at most 2 D (1 + m) = 4,608 B.
+- the cluster-ordered store (disk, `SDPIPE_SEMANTIC_TEMP`): fp16, 2 D per slot, so 2 D (1 + v)
+  per row: ~3,290 B at D = 768, v = 1.14; at most 2 D (1 + m) = 4,608 B. It is written in
+  sequence (`tasks.curation.semantic_store`): runs of (slot int64, row) records, 8 + 2 D per
+  slot, become the store a bucket at a time, so the folder holds at most (8 + 2 D) (1 + v)
+  per row plus a bucket: ~3,300 B at D = 768, v = 1.14 (`temp_bytes`, measured).
 - the index, held for the stage: `slot_row` int64 + `slot_cluster` int32 per slot (12 (1 + v)),
   `primary_slot` int64 (8) and `visitor_slot` int64 x m (8 m) per row, and `losers`' int8
   state and three bool masks (4): 24 + 8 m + 12 v = 54 B at m = 2, v = 1.14.
-- while it is built, besides: nearest and visits int32 and gaps float32 (4 + 8 m), then the
+- while it is built, besides: nearest and visits int32, gaps float32 and the at-risk flag
+  (5 + 8 m), the centroids' distances (k x k float32: 4 B per row at k = sqrt N), then the
   slots' sort (cluster, rank, key, order, inverse: int64, 40 per slot) and the visits' row
-  and column (int64, 16 v): ~105 B more at the peak, on top of the caller's rank (int64, 8)
-  and the order and dense rank (int64, 16).
+  and column (int64, 16 v): ~110 B more at the peak, on top of the caller's rank (int64, 8)
+  and the order and dense rank (int64, 16). Rows are assigned 16,384 at a time: their scores,
+  distances, gaps and reach flags take 13 k B each (210 MB at k = 1,000; 2.1 GB at 100M rows).
 """
 
 from __future__ import annotations
@@ -32,12 +40,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tasks.curation.semantic_store import cluster_ordered
 from tasks.curation.survivors import ABSENT, DROPPED, SURVIVES, UNDECIDED, settle
 
 Reader = Callable[[], tuple[np.ndarray, np.ndarray]]  # -> (row int64 [b], embedding fp16 [b, D])
 SMALL = 4096  # rows compared all pairs, no clustering
 SAMPLE_PER_CLUSTER = 40  # k-means training rows per centroid
 VISITOR_SHARE = 2  # visitors a cluster takes, per row of its own
+MISS_SAMPLE = 2000  # rows at risk searched for a missed duplicate (`estimate_missed`)
+SAMPLE_BLOCK = 2048  # of those rows, compared with a cluster's block at once
 KMEANS_ITERS = 10
 QUERY_BLOCK, REF_BLOCK = 256, 4096  # rows per similarity block
 
@@ -115,6 +126,16 @@ def kmeans(
     return centroids
 
 
+@dataclass(frozen=True, slots=True)
+class Missed:
+    """Of `sampled` rows at risk (`SemanticIndex.beyond_visits`), `missed_sample` had a
+    duplicate they were never compared with: ~`estimated` such rows in all."""
+
+    sampled: int
+    missed_sample: int
+    estimated: int
+
+
 class SemanticIndex:
     """Rows laid out by cluster, each cluster in rank order; `losers` applies the survivor rule
     (`tasks.curation.survivors`) to any subset of the rows, from the same layout."""
@@ -130,6 +151,7 @@ class SemanticIndex:
         max_visits: int = 2,
         workdir: Path | None = None,
         seed: int = 0,
+        miss_sample: int = MISS_SAMPLE,
     ):
         n = parts.num_rows
         self.parts, self.threshold = parts, threshold
@@ -140,10 +162,13 @@ class SemanticIndex:
         dense_rank = np.empty(n, np.int64)
         dense_rank[order] = np.arange(n)
         self.max_visits = min(max_visits, self.num_clusters - 1)
-        # Rows whose next centroid after their `max_visits` visits was within reach too: a
-        # duplicate in that cluster's cell could be missed (raise `max_visits` if many).
+        # Rows with a centroid within reach that they do not visit (past their `max_visits`
+        # nearest, or cut by a cluster's visitor cap): only they can miss a duplicate, and
+        # `estimate_missed` looks for misses in a seeded sample of them (`miss_sample` rows).
         self.beyond_visits = 0
-        primary, visits = self._assign(seed)
+        self.risk_sample = np.zeros(0, np.int64)
+        self.centroids: torch.Tensor | None = None
+        primary, visits = self._assign(seed, miss_sample)
         # Slots: one per (cluster, row) entry, ordered by cluster, then rank.
         visitor_row, visit = np.nonzero(visits >= 0)
         cluster = np.concatenate([primary, visits[visitor_row, visit]]).astype(np.int64)
@@ -159,25 +184,25 @@ class SemanticIndex:
         self.visitor_slot[visitor_row, visit] = slot_of_entry[n:]
         self.num_visits = len(visitor_row)
         self.largest_cluster = int(np.diff(self.offsets).max()) if n else 0  # rows + visitors
-        shape = (len(by_slot), parts.dim)
+        self.temp_bytes = 0  # the most bytes the store's folder held while it was built
         if workdir is None:
-            self.store = np.empty(shape, np.float16)
-        else:  # cluster-ordered on disk under the data root; the page cache holds what fits
-            self.store = np.lib.format.open_memmap(
-                Path(workdir) / "semantic-slots.npy", "w+", np.float16, shape
+            self.store = np.empty((len(by_slot), parts.dim), np.float16)
+            for read in parts.readers:
+                rows, emb = read()
+                self.store[self.primary_slot[rows]] = emb
+                for slot in self.visitor_slot[rows].T:
+                    self.store[slot[slot >= 0]] = emb[slot >= 0]
+        else:  # on disk, written in sequence; the page cache holds what fits
+            self.store, self.temp_bytes = cluster_ordered(
+                parts, self.primary_slot, self.visitor_slot, self.offsets, workdir
             )
-        for read in parts.readers:
-            rows, emb = read()
-            self.store[self.primary_slot[rows]] = emb
-            for slot in self.visitor_slot[rows].T:
-                self.store[slot[slot >= 0]] = emb[slot >= 0]
         self.rounds = 0
         self.alone: np.ndarray | None = None  # rows without a better duplicate among all
 
     def _unit(self, emb: np.ndarray) -> torch.Tensor:
         return F.normalize(torch.from_numpy(emb).to(self.device).float(), dim=1)
 
-    def _assign(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    def _assign(self, seed: int, miss_sample: int) -> tuple[np.ndarray, np.ndarray]:
         """(nearest cluster [N], visited clusters or -1 [N, max_visits]). A row y of cluster B
         also visits the next-nearest centroids A whose cell lies within sqrt(2 - 2 t) of it
         (its distance to the bisector of cA and cB): a duplicate x of y in A's cell would be
@@ -206,25 +231,30 @@ class SemanticIndex:
         # visits). A shift keeps distances, so the bisector reach below still holds.
         center = sample.mean(0)
         centroids = kmeans(sample - center, k, self.dtype, generator)
-        reach = math.sqrt(max(0.0, 2 - 2 * self.threshold))
+        self.centroids, self.center = centroids, center
+        self.reach = reach = math.sqrt(max(0.0, 2 - 2 * self.threshold))
+        between = torch.cdist(centroids, centroids)  # k x k: 4 N bytes, as k ~ sqrt(N)
+        at_risk = np.zeros(n, bool)
         for read in self.parts.readers:
             rows, emb = read()
             for start in range(0, len(rows), 16384):
                 y = self._unit(emb[start : start + 16384]) - center
-                more = int(k > 1 + self.max_visits)  # one centroid past the visits, to count
-                scores, nearest = _scores(y, centroids, torch.float32).topk(
-                    1 + self.max_visits + more
-                )
+                every = _scores(y, centroids, torch.float32)
+                # topk breaks exact ties (equal centroids) by its k: the one past the visits,
+                # which the layout was first drawn with, keeps it as it was.
+                past = min(k, 2 + self.max_visits)
+                scores, nearest = (t[:, : 1 + self.max_visits] for t in every.topk(past))
                 # y's distance to the bisector of cA, cB: (|y-cA|^2 - |y-cB|^2) / 2|cA-cB|.
                 apart = (centroids[nearest[:, 1:]] - centroids[nearest[:, :1]]).norm(dim=2)
                 to_bisector = (scores[:, :1] - scores[:, 1:]) / apart.clamp_min(1e-6)
-                if more:
-                    self.beyond_visits += int((to_bisector[:, -1] <= reach).sum())
-                    scores, nearest = scores[:, :-1], nearest[:, :-1]
-                    to_bisector = to_bisector[:, :-1]
+                visited = torch.where(to_bisector <= reach, nearest[:, 1:], -1)
                 chunk = rows[start : start + 16384]
+                far = self._unvisited_in_reach(
+                    every, between[nearest[:, 0]], nearest[:, 0], visited
+                )
+                at_risk[chunk] = far.any(1).cpu().numpy()
                 primary[chunk] = nearest[:, 0].cpu().numpy()
-                visits[chunk] = torch.where(to_bisector <= reach, nearest[:, 1:], -1).cpu().numpy()
+                visits[chunk] = visited.cpu().numpy()
                 gap[chunk] = to_bisector.cpu().numpy()
         # A centroid in the middle of the cloud is in reach of a large share of all rows (a
         # hub): comparing them all there is quadratic. Each cluster takes the visitors
@@ -237,7 +267,89 @@ class SemanticIndex:
         cap = VISITOR_SHARE * np.maximum(np.bincount(primary, minlength=k), n // k)
         cut = order[place >= cap[cluster]]
         visits[row[cut], visit[cut]] = -1
+        at_risk[row[cut]] = True
+        self.beyond_visits = int(at_risk.sum())
+        risky = np.flatnonzero(at_risk)
+        self.risk_sample = np.sort(rng.choice(risky, min(miss_sample, len(risky)), replace=False))
         return primary, visits
+
+    def _unvisited_in_reach(
+        self,
+        scores: torch.Tensor,
+        apart: torch.Tensor,
+        primary: torch.Tensor,
+        visited: torch.Tensor,
+    ) -> torch.Tensor:
+        """[b, k] bool: the centroids within reach of each row (bisector distance, as `_assign`;
+        `apart`: its own centroid's distance to each, overwritten) that are neither its own
+        (`primary` [b]) nor one it visits (`visited` [b, m], -1: none)."""
+        own = scores.gather(1, primary[:, None])
+        near = own - scores <= apart.mul_(self.reach)
+        mine = torch.cat(
+            [primary[:, None], torch.where(visited >= 0, visited, primary[:, None])], 1
+        )
+        return near.scatter_(1, mine, False)
+
+    def clusters_of(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), 1 + m]: each row's own cluster, then those it visits (-1: none)."""
+        visited = np.where(self.visitor_slot[rows] >= 0, self.visitor_slot[rows], -1)
+        slots = np.concatenate([self.primary_slot[rows, None], visited], axis=1)
+        return np.where(slots >= 0, self.slot_cluster[slots], -1)
+
+    def estimate_missed(self) -> Missed:
+        """Duplicates the clusters missed, estimated: each row of `risk_sample` is compared with
+        the rows of every cluster within its reach that it does not visit (reading each such
+        cluster once), and counts if one is a duplicate (cosine >= threshold, float64) that
+        shares no cluster with it, so was never compared. A miss of a pair, not of a decision:
+        the row may still be dropped as the copy of another."""
+        rows = self.risk_sample
+        if not len(rows):
+            return Missed(sampled=0, missed_sample=0, estimated=0)
+        mine = self.clusters_of(rows)
+        raw = torch.from_numpy(np.asarray(self.store[self.primary_slot[rows]])).to(self.device)
+        y = F.normalize(raw.float(), dim=1) - self.center
+        primary = torch.from_numpy(mine[:, 0].astype(np.int64)).to(self.device)
+        visited = torch.from_numpy(mine[:, 1:].astype(np.int64)).to(self.device)
+        apart = torch.cdist(self.centroids[primary], self.centroids)
+        scores = _scores(y, self.centroids, torch.float32)
+        far = self._unvisited_in_reach(scores, apart, primary, visited)
+        query, cluster = (t.cpu().numpy() for t in far.nonzero(as_tuple=True))
+        missed = np.zeros(len(rows), bool)
+        for c in np.unique(cluster):
+            start, stop = self.offsets[c], self.offsets[c + 1]
+            q = query[cluster == c]
+            members = torch.from_numpy(np.array(self.store[start:stop])).to(self.device)
+            i, j = self._pairs(raw[torch.from_numpy(q).to(self.device)], members)
+            q, x = q[i], self.slot_row[start + j]
+            shared = (mine[q, :, None] == self.clusters_of(x)[:, None, :]) & (mine[q, :, None] >= 0)
+            missed[q[~shared.any(axis=(1, 2))]] = True
+        num_missed = int(missed.sum())
+        return Missed(
+            sampled=len(rows),
+            missed_sample=num_missed,
+            estimated=round(num_missed / len(rows) * self.beyond_visits),
+        )
+
+    def _pairs(self, raw_q: torch.Tensor, raw: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """(i, j): the pairs of rows `raw_q[i]`, `raw[j]` (fp16) at cosine >= threshold, screened
+        in low precision and confirmed in float64, a block of each at a time."""
+        cut = self.threshold - self.margin
+        low_q = F.normalize(raw_q.float(), dim=1).to(self.dtype)
+        found_i, found_j = [torch.zeros(0, dtype=torch.int64)], [torch.zeros(0, dtype=torch.int64)]
+        for r0 in range(0, len(raw), REF_BLOCK):
+            ref = raw[r0 : r0 + REF_BLOCK]
+            low_ref = F.normalize(ref.float(), dim=1).to(self.dtype)
+            for q0 in range(0, len(raw_q), SAMPLE_BLOCK):
+                near = (low_q[q0 : q0 + SAMPLE_BLOCK] @ low_ref.T).float() >= cut
+                some_q, some_r = near.any(1).nonzero().flatten(), near.any(0).nonzero().flatten()
+                if not len(some_q):
+                    continue
+                exact_q = F.normalize(raw_q[q0 + some_q].double(), dim=1)
+                exact_r = F.normalize(ref[some_r].double(), dim=1)
+                i, j = ((exact_q @ exact_r.T) >= self.threshold).nonzero(as_tuple=True)
+                found_i.append((q0 + some_q[i]).cpu())
+                found_j.append((r0 + some_r[j]).cpu())
+        return torch.cat(found_i).numpy(), torch.cat(found_j).numpy()
 
     def losers(self, include: np.ndarray | None = None) -> np.ndarray:
         """Rows dropped by the survivor rule among `include` (default all), bool [N].
@@ -280,7 +392,7 @@ class SemanticIndex:
         refs = np.flatnonzero(row_state <= SURVIVES)  # undecided or surviving
         if not len(queries) or refs[0] >= queries[-1]:
             return
-        raw = torch.from_numpy(np.ascontiguousarray(self.store[start:stop])).to(self.device)
+        raw = torch.from_numpy(np.array(self.store[start:stop])).to(self.device)
         low = F.normalize(raw.float(), dim=1).to(self.dtype)
         survives = torch.from_numpy(row_state == SURVIVES).to(self.device)
         to_survivor, to_undecided = self._sweep(raw, low, survives, queries, refs)

@@ -47,7 +47,7 @@ class Waterfall:
     steps: list[Step]
     # Up to MAX_SAMPLES rejected rows per reason: key, caption, url, scores, `tar` if fetched.
     samples: dict[str, list[dict]] = field(default_factory=dict)
-    # What a step measured besides its counts (`semantic_visits`, `semantic_beyond_visits`).
+    # What a step measured besides its counts (`semantic_visits`, `semantic_missed_estimate`, ...).
     notes: dict = field(default_factory=dict)
 
     @property
@@ -108,16 +108,21 @@ def build(
 
 def notes_text(wf: Waterfall) -> str:
     """The notes in words (plain text), or ""."""
-    beyond = wf.notes.get("semantic_beyond_visits")
-    if beyond is None:
+    notes = wf.notes
+    if "semantic_beyond_visits" not in notes:
         return ""
-    visits = wf.notes.get("semantic_visits")
-    return (
-        f"Semantic dedup: {beyond} rows had another cluster within reach past the {visits} "
-        "nearest they visit (semantic_visits): a duplicate there could have been missed. An "
-        "upper bound: at 1M CLIP-like rows nearly all rows count and none was missed "
-        "(docs/benchmarks.md); raising semantic_visits finds any such (more work)."
+    text = (
+        f"Semantic dedup: {notes['semantic_beyond_visits']} rows had a cluster within reach that "
+        f"they do not visit (semantic_visits: {notes.get('semantic_visits')}), so could miss a "
+        "duplicate there."
     )
+    if "semantic_sampled" in notes:  # records from before the sample have the bound alone
+        text += (
+            f" Of {notes['semantic_sampled']} of them searched, {notes['semantic_missed_sample']} "
+            f"had a duplicate never compared with them: ~{notes['semantic_missed_estimate']} rows "
+            "in all. Raising semantic_visits finds them (more work)."
+        )
+    return text
 
 
 def artifact_path(gallery_path: Path) -> Path:

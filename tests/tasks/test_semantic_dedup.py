@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from catalog.schema import FilterProfile
-from tasks.curation import dedup, semantic_dedup
+from tasks.curation import dedup, semantic_dedup, semantic_store
 from tasks.curation import filter as filter_stage
-from tasks.curation.semantic_dedup import Parts, SemanticIndex
+from tasks.curation.semantic_dedup import Missed, Parts, SemanticIndex
 from tasks.curation.waterfall import Waterfall
 from tests.tasks.test_dedup import (
     PROFILE,
@@ -155,6 +155,9 @@ def test_gpu_and_cpu_make_the_same_decisions():
     cpu = dedup.semantic_losers(x, rank, THRESHOLD, device="cpu", num_clusters=12)
     gpu = dedup.semantic_losers(x, rank, THRESHOLD, device="cuda", num_clusters=12)
     np.testing.assert_array_equal(gpu, cpu)
+    index = SemanticIndex(Parts.from_array(x), rank, THRESHOLD, device="cuda", num_clusters=12)
+    missed = index.estimate_missed()  # its sample searched on the device too
+    assert missed.sampled == min(semantic_dedup.MISS_SAMPLE, index.beyond_visits)
 
 
 def test_a_killed_runs_embeddings_are_removed_by_the_next_run(tmp_path):
@@ -172,17 +175,20 @@ def test_a_killed_runs_embeddings_are_removed_by_the_next_run(tmp_path):
     assert not Path(work).exists()
 
 
-def test_rows_with_more_centroids_in_reach_than_visits_are_counted():
-    """Issue 26: a row visits its `max_visits` nearest other clusters only; the rows whose next
-    centroid was within reach too (a duplicate there could be missed) are counted, and none
-    are when every cluster can be visited."""
+def test_rows_with_more_centroids_in_reach_than_visits_are_counted(monkeypatch):
+    """Issue 26: a row visits its `max_visits` nearest other clusters only, and a cluster takes
+    at most VISITOR_SHARE visitors per row of its own; the rows left with a centroid within
+    reach that they do not visit (a duplicate there could be missed) are counted, and none are
+    when every cluster can be visited."""
     x = np.random.default_rng(5).standard_normal((3000, 32)).astype(np.float32)  # isotropic
     rank = np.random.default_rng(6).permutation(3000)
     few = SemanticIndex(Parts.from_array(x), rank, 0.5, num_clusters=12, max_visits=1)
+    capped = SemanticIndex(Parts.from_array(x), rank, 0.5, num_clusters=12, max_visits=11)
+    monkeypatch.setattr(semantic_dedup, "VISITOR_SHARE", 100)
     every = SemanticIndex(Parts.from_array(x), rank, 0.5, num_clusters=12, max_visits=11)
-    assert few.beyond_visits > 0
-    assert every.beyond_visits == 0
-    assert few.beyond_visits <= 3000
+    assert 0 < few.beyond_visits <= 3000
+    assert 0 < capped.beyond_visits <= 3000 and capped.num_visits < 11 * 3000
+    assert every.beyond_visits == 0 and every.num_visits == 11 * 3000
 
 
 def isotropic_with_copies(n: int = 5000, dim: int = 64) -> np.ndarray:
@@ -232,11 +238,56 @@ def test_the_number_of_visits_is_a_profile_setting(tmp_path, monkeypatch, visits
     assert notes["semantic_visits"] == visits and notes["semantic_beyond_visits"] > 0
 
 
-def test_the_rows_past_their_visits_are_in_the_record_and_the_waterfall(
+def missed_rows(index: SemanticIndex, duplicate: np.ndarray) -> np.ndarray:
+    """bool [N]: rows with a duplicate (all pairs) that shares no cluster with them."""
+    clusters = index.clusters_of(np.arange(len(duplicate)))
+    i, j = np.nonzero(np.triu(duplicate, 1))
+    a, b = clusters[i][:, :, None], clusters[j][:, None, :]
+    apart = ~((a == b) & (a >= 0)).any(axis=(1, 2))
+    missed = np.zeros(len(duplicate), bool)
+    missed[i[apart]] = missed[j[apart]] = True
+    return missed
+
+
+def test_missed_duplicates_are_estimated_from_a_sample_of_the_rows_past_their_visits(
+    monkeypatch,
+):
+    """Issue 26: on the isotropic set of the issue (8k x 256, 90 clusters), 2 visits leave rows
+    with a duplicate they are never compared with; searching the rows past their visits finds
+    exactly those (all of them searched) or those of the sample (scaled up to the estimate),
+    and with 8 visits there are none to find."""
+    monkeypatch.setattr(semantic_dedup, "screen", lambda device: (torch.float32, 1e-4))
+    x = isotropic_with_copies(8000, 256)
+    duplicate = all_pairs(x, 0.9)
+    rank = np.arange(len(x))
+
+    def index(visits: int, sample: int) -> SemanticIndex:
+        parts = Parts.from_array(x, part_rows=3000)
+        return SemanticIndex(
+            parts, rank, 0.9, num_clusters=90, max_visits=visits, miss_sample=sample
+        )
+
+    every = index(2, len(x))
+    truth = missed_rows(every, duplicate)
+    assert every.beyond_visits >= truth.sum() > 0
+    assert every.estimate_missed() == Missed(
+        sampled=every.beyond_visits, missed_sample=truth.sum(), estimated=truth.sum()
+    )
+    some = index(2, 1000)
+    in_sample = int(missed_rows(some, duplicate)[some.risk_sample].sum())
+    estimated = round(in_sample / 1000 * some.beyond_visits)
+    assert some.estimate_missed() == Missed(1000, in_sample, estimated)
+    more = index(8, 1000)
+    assert not missed_rows(more, duplicate).any()
+    assert more.estimate_missed() == Missed(1000, 0, 0)
+
+
+def test_the_rows_past_their_visits_and_the_missed_estimate_are_in_the_record_and_waterfall(
     fetched, scene, tmp_path, monkeypatch
 ):
     """Issue 26: filter-pixels passes the profile's `semantic_visits` to the index and shows
-    the rows past them (`beyond_visits`) in its stats record, waterfall and galleries."""
+    the rows past them (`beyond_visits`) and the misses found in a sample of those rows, with
+    the estimate over all, in its stats record, waterfall and galleries."""
     made = []
 
     class Counted(SemanticIndex):
@@ -245,18 +296,30 @@ def test_the_rows_past_their_visits_are_in_the_record_and_the_waterfall(
             made.append(kwargs["max_visits"])
             self.beyond_visits = 17
 
+        def estimate_missed(self) -> Missed:
+            return Missed(sampled=12, missed_sample=3, estimated=4)
+
     monkeypatch.setattr(dedup, "SemanticIndex", Counted)
     planted_source(fetched, scene, tmp_path)
     profile = dataclasses.replace(PROFILE, semantic_visits=5)
     stats = filter_stage.select_pixels(tmp_path, "src", profile, scored=True)
     assert made == [5]
-    assert stats.extra["semantic_visits"] == 5
-    assert stats.extra["semantic_beyond_visits"] == 17
+    notes = {
+        "semantic_visits": 5,
+        "semantic_beyond_visits": 17,
+        "semantic_sampled": 12,
+        "semantic_missed_sample": 3,
+        "semantic_missed_estimate": 4,
+    }
+    assert {k: stats.extra[k] for k in notes} == notes
     out = tmp_path / "src" / "selected"
     wf = Waterfall.read(out / "waterfall.json")
-    assert wf.notes == {"semantic_visits": 5, "semantic_beyond_visits": 17}
+    assert wf.notes == notes
     for page in ("gallery.html", "gallery.md"):
-        assert "17 rows had another cluster within reach past the 5" in (out / page).read_text()
+        text = (out / page).read_text()
+        assert "17 rows had a cluster within reach that they do not visit" in text
+        assert "Of 12 of them searched, 3 had a duplicate never compared with them" in text
+        assert "4 rows in all" in text
 
 
 @pytest.mark.parametrize("setting", [False, True])
@@ -280,3 +343,39 @@ def test_the_store_goes_to_the_semantic_temp_folder(fetched, scene, tmp_path, mo
     filter_stage.select_pixels(tmp_path, "src", PROFILE, scored=True)
     assert used == [local if setting else tmp_path / "src"]
     assert list(used[0].glob(".semantic.tmp-*")) == []  # removed after use
+
+
+def test_the_store_on_disk_is_written_in_sequence(tmp_path, monkeypatch):
+    """Issue 26: the cluster-ordered store is filled by appends (each part's rows to runs per
+    bucket of clusters, then bucket by bucket in slot order), never through a writable memory
+    map; it holds what the in-memory store holds, the runs are gone after, and the folder held
+    at most the runs' bytes plus a bucket."""
+    modes = []
+
+    class Seen(np.memmap):
+        def __new__(cls, filename, dtype=np.uint8, mode="r+", *args, **kwargs):
+            modes.append(mode)
+            return super().__new__(cls, filename, dtype, mode, *args, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", Seen)
+    monkeypatch.setattr(semantic_store, "BUCKET_BYTES", 20_000)  # ~20 buckets
+    x = planted(3000)
+    rank = np.random.default_rng(1).permutation(3000)
+    built = {
+        where: SemanticIndex(
+            Parts.from_array(x, part_rows=700),
+            rank,
+            THRESHOLD,
+            num_clusters=12,
+            max_visits=2,
+            workdir=where,
+        )
+        for where in (None, tmp_path)
+    }
+    on_disk, in_memory = built[tmp_path], built[None]
+    assert modes == ["r"]
+    np.testing.assert_array_equal(np.asarray(on_disk.store), in_memory.store)
+    assert [p.name for p in tmp_path.iterdir()] == [semantic_store.STORE_NAME]
+    np.testing.assert_array_equal(on_disk.losers(), greedy_over_all_pairs(all_pairs(x), rank))
+    num_slots, dim = on_disk.store.shape
+    assert 2 * dim * num_slots < on_disk.temp_bytes < 1.15 * (8 + 2 * dim) * num_slots
