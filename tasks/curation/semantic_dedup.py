@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,19 +70,20 @@ class Parts:
         return cls(len(x_ND), x_ND.shape[1], [functools.partial(read, s) for s in starts])
 
 
+BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")  # CPUs that multiply bf16 natively
+
+
 @functools.cache
 def _cpu_screen_dtype() -> torch.dtype:
-    """bf16 where this CPU multiplies it faster than fp32 (AVX512-BF16, AMX), else fp32."""
-    a, b = torch.randn(QUERY_BLOCK, 768), torch.randn(REF_BLOCK, 768)
-    best = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x, y = a.to(dtype), b.to(dtype)
-        x @ y.T
-        start = time.perf_counter()
-        for _ in range(3):
-            x @ y.T
-        best[dtype] = time.perf_counter() - start
-    return min(best, key=best.get)
+    """bf16 where this CPU multiplies it natively (AVX512-BF16, AMX), else fp32: a fixed choice
+    per machine. (It was a timing of both, which the machine's load decided: the dtype also
+    sets k-means' precision, so the clusters, and the rare pair they miss, changed with load.)"""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = {flag for line in f if line.startswith("flags") for flag in line.split()}
+    except OSError:  # not Linux: no way to tell, the exact path
+        return torch.float32
+    return torch.bfloat16 if flags & set(BF16_MATMUL_FLAGS) else torch.float32
 
 
 def screen(device: torch.device) -> tuple[torch.dtype, float]:

@@ -379,3 +379,33 @@ def test_the_store_on_disk_is_written_in_sequence(tmp_path, monkeypatch):
     np.testing.assert_array_equal(on_disk.losers(), greedy_over_all_pairs(all_pairs(x), rank))
     num_slots, dim = on_disk.store.shape
     assert 2 * dim * num_slots < on_disk.temp_bytes < 1.15 * (8 + 2 * dim) * num_slots
+
+
+def test_the_cpu_screen_dtype_is_the_cpus_not_the_loads(monkeypatch, tmp_path):
+    """bf16 exactly where the CPU multiplies it natively: a fixed choice per machine (a timing
+    made k-means' precision, hence the clusters, depend on the machine's load)."""
+    import builtins
+
+    from tasks.curation import semantic_dedup
+
+    real_open = builtins.open
+    for flags, expected in (
+        ("fpu sse2 avx2 avx512f avx512_bf16", torch.bfloat16),
+        ("fpu sse2 avx2 amx_bf16 amx_tile", torch.bfloat16),
+        ("fpu sse2 avx2 avx512f", torch.float32),
+    ):
+        cpuinfo = tmp_path / "cpuinfo"
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(
+            builtins,
+            "open",
+            lambda path, *a, _c=cpuinfo, **k: real_open(
+                _c if path == "/proc/cpuinfo" else path, *a, **k
+            ),
+        )
+        semantic_dedup._cpu_screen_dtype.cache_clear()
+        try:
+            assert semantic_dedup._cpu_screen_dtype() == expected, flags
+        finally:
+            monkeypatch.undo()
+            semantic_dedup._cpu_screen_dtype.cache_clear()
