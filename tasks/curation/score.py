@@ -53,6 +53,8 @@ from tasks.curation.score_nets import ScoringWeightsError as ScoringWeightsError
 # The scorer a shard's scores were made by, and its cache-key digest (the flows key by them).
 from tasks.curation.score_nets import identity_digest as identity_digest
 from tasks.curation.score_nets import scorer_identity as scorer_identity
+from tasks.latents.images import image_members
+from tasks.latents.images import read_images as read_tar_images
 from tasks.runtime.shards import ShardStats, done_record, run_shard, stats_path
 
 STAGE = "scores"
@@ -308,26 +310,8 @@ def phash(img: Image.Image) -> int:
 
 
 def read_images(tar_path: Path, keys: set[str]) -> dict[str, bytes]:
-    out = {}
-    with tarfile.open(tar_path) as tar:
-        for member in tar:
-            key, _, ext = member.name.partition(".")
-            if key in keys and ext.lower() in IMAGE_EXTENSIONS and member.isfile():
-                out[key] = tar.extractfile(member).read()
-    return out
-
-
-def image_members(tar: tarfile.TarFile, keys: set[str]) -> dict[str, tarfile.TarInfo]:
-    """key -> the member holding its image, for `keys` (the last one, as `read_images` keeps):
-    headers only, no image bytes are read."""
-    found = {}
-    while (member := tar.next()) is not None:
-        # tarfile keeps every header it reads; three per sample would grow with the shard.
-        tar.members.clear()
-        key, _, ext = member.name.partition(".")
-        if key in keys and ext.lower() in IMAGE_EXTENSIONS and member.isfile():
-            found[key] = member
-    return found
+    """The image bytes of `keys` from a shard's tar (only theirs are read)."""
+    return read_tar_images(tar_path, keys, IMAGE_EXTENSIONS)
 
 
 class _Slots:
@@ -503,7 +487,7 @@ def score_shard(
         rows = [r for r in table if r["status"] == "success"]
         stats.num_in = len(rows)
         with tarfile.open(tar_path) as tar:
-            members = image_members(tar, {r["key"] for r in rows})
+            members = image_members(tar, {r["key"] for r in rows}, IMAGE_EXTENSIONS)
             present = [r for r in rows if r["key"] in members]
             if len(present) < len(rows):
                 stats.drop("missing_image", len(rows) - len(present))

@@ -18,29 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from tasks.latents.images import image_members
+from tasks.latents.images import read_images as read_tar_images
+
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff")
-
-
-def _is_image(member: tarfile.TarInfo, keys: set[str]) -> str | None:
-    """The member's key if it is the image of one of `keys`."""
-    key, _, ext = member.name.partition(".")
-    return key if key in keys and ext.lower() in IMAGE_EXTENSIONS and member.isfile() else None
 
 
 def read_images(tar_path: Path, keys: set[str]) -> dict[str, bytes]:
     """The image bytes of `keys` from a webdataset tar (only theirs are read)."""
-    with tarfile.open(tar_path) as tar:
-        return {k: tar.extractfile(m).read() for k, m in image_members(tar, keys).items()}
-
-
-def image_members(tar: tarfile.TarFile, keys: set[str]) -> dict[str, tarfile.TarInfo]:
-    """key -> the member holding its image, for `keys` (the last one): headers only."""
-    found = {}
-    while (member := tar.next()) is not None:
-        tar.members.clear()  # tarfile keeps every header it reads: it would grow with the shard
-        if key := _is_image(member, keys):
-            found[key] = member
-    return found
+    return read_tar_images(tar_path, keys, IMAGE_EXTENSIONS)
 
 
 @dataclass(slots=True)
@@ -66,7 +52,7 @@ def open_shard(
     tokens = root / source / "tokens" / f"{shard}.parquet"
     token_keys = pq.read_table(tokens, columns=["key"])["key"].to_pylist()
     with tarfile.open(root / source / "shards" / f"{shard}.tar") as tar:
-        members = image_members(tar, set(token_keys))
+        members = image_members(tar, set(token_keys), IMAGE_EXTENSIONS)
         present = [(row, key) for row, key in enumerate(token_keys) if key in members]
         header = ShardInput(
             shard,

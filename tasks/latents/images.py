@@ -449,6 +449,27 @@ class DecodePool(Lanes):
         return rows, [x for part in parts for x in part], dropped
 
 
+def image_members(
+    tar: tarfile.TarFile, keys: set[str], extensions: Iterable[str]
+) -> dict[str, tarfile.TarInfo]:
+    """key -> the member holding its image (`<key>.<ext>`, ext among `extensions`), for `keys`:
+    the last one, as an extraction would keep. Headers only, no image bytes are read."""
+    found = {}
+    while (member := tar.next()) is not None:
+        tar.members.clear()  # tarfile keeps every header it reads: it would grow with the shard
+        key, _, ext = member.name.partition(".")
+        if key in keys and ext.lower() in extensions and member.isfile():
+            found[key] = member
+    return found
+
+
+def read_images(tar_path: Path, keys: set[str], extensions: Iterable[str]) -> dict[str, bytes]:
+    """The image bytes of `keys` from a webdataset tar (only theirs are read)."""
+    with tarfile.open(tar_path) as tar:
+        members = image_members(tar, keys, extensions)
+        return {k: tar.extractfile(m).read() for k, m in members.items()}
+
+
 def write_sample(tar: tarfile.TarFile, key: str, jpeg: bytes, caption: str, meta: dict) -> None:
     """One webdataset sample: key.jpg, key.txt (the caption), key.json (its sample-table row)."""
     for ext, data in (
