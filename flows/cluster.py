@@ -36,15 +36,13 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from tasks.runtime.net import unreachable
+from tasks.runtime.net import python_path, unreachable
 from tasks.runtime.shards import ShardStats, current_node
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 # What a node needs from the flow's process to find the data, the catalog and the weights.
 FORWARDED_ENV = (
     "SDPIPE_DATA",
@@ -92,8 +90,7 @@ def forwarded_env() -> dict[str, str]:
         env["PREFECT_API_KEY"] = api.key.get_secret_value()
     if api.auth_string:
         env["PREFECT_API_AUTH_STRING"] = api.auth_string.get_secret_value()
-    paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env["PYTHONPATH"] = python_path()
     return env
 
 

@@ -32,9 +32,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sdtrain.config import TrainConfig
 from tasks.phases.train import STOP_MARGIN_S, TrainingFailed, node_line
-from tasks.runtime.net import unreachable
+from tasks.runtime.net import PROJECT_ROOT, python_path, unreachable
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # What the ranks need from the launching process (the flow run) besides the node's own
 # environment: the data root and catalog, the model cache, secrets put there by the flow.
 FORWARDED_PREFIXES = ("SDPIPE_", "HF_", "WANDB_", "PREFECT_API_")
@@ -210,13 +209,6 @@ def launch_training_on_nodes(
         finally:
             for a in actors:
                 ray.kill(a)
-
-
-def python_path() -> str:
-    """This checkout first on the nodes' PYTHONPATH: the actors run this code, not a copy
-    installed there (the same path on every node)."""
-    paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    return os.pathsep.join(dict.fromkeys(paths))
 
 
 @contextlib.contextmanager

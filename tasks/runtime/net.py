@@ -1,8 +1,14 @@
-"""Loopback helpers shared by the demo server, torchrun launches and tests."""
+"""Loopback helpers shared by the demo server, torchrun launches and tests, and what a Ray
+cluster's nodes need to reach it and run this checkout."""
 
 from __future__ import annotations
 
+import os
 import socket
+from pathlib import Path
+
+# This checkout (the folder of flows/, tasks/, sdtrain/, catalog/).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -25,3 +31,10 @@ def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
             return None
     except OSError as e:
         return f"{host}:{port}: {e.strerror or e}"
+
+
+def python_path() -> str:
+    """This checkout first on a Ray node's PYTHONPATH: its actors run this code, not a copy
+    installed there (the same path on every node)."""
+    paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return os.pathsep.join(dict.fromkeys(paths))
