@@ -11,10 +11,16 @@ fast path (uint8 pixels normalized on the device, fp16 weights on CUDA, every co
 `baseline_images_per_s`, `images_per_s`, `speedup`. `cpu_images_per_s` is the fast path's CPU
 side alone (decode, PIL resizes, pHash into slots, same workers, no networks): the ceiling the
 CPU puts on it; `cpu_ms_per_image` its per-image CPU time in one thread. `--no-baseline` skips
-the old path. `peak_rss_gb` is the process's peak resident memory (networks, warm-up and
-shards): with a shard streamed a few batches at a time, it does not grow with --images.
+the old path. The fast path decodes where the stage would (processes on CUDA, threads
+elsewhere; `--decode` to choose), and `cpu_images_per_s_threads` / `_processes` time the CPU side
+both ways side by side (decode threads meet at the GIL; processes write shared slots).
+`--cpu-side-only` builds the scorer and times only that CPU side (no shard scored, no networks
+run): the figure on a machine too small to run the networks. `peak_rss_gb` is the process's
+peak resident memory (networks, warm-up and shards): with a shard streamed a few batches at a
+time, it does not grow with --images.
 Usage: python bench/score.py [--device cpu|cuda] [--size tiny|full] [--images N] [--side S]
-    [--batch-size B] [--workers W] [--no-baseline] [--grain]
+    [--batch-size B] [--workers W] [--no-baseline] [--grain] [--decode threads|processes]
+    [--cpu-side-only]
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="default: the stage's own")
     parser.add_argument("--no-baseline", action="store_true", help="time the fast path only")
     parser.add_argument("--grain", action="store_true", help="photo-like ~70 KB JPEGs")
+    parser.add_argument("--decode", choices=["threads", "processes"], default=None)
+    parser.add_argument("--cpu-side-only", action="store_true", help="no networks run")
     args = parser.parse_args()
     import torch
 
@@ -110,7 +118,9 @@ def main() -> None:
     try:
         write_shard(work, "00000", batch_size, args.side, seed=0, grain=args.grain)  # warm-up
         write_shard(work, "00001", num_images, args.side, seed=1, grain=args.grain)
-        for fast in (False, True) if not args.no_baseline else (True,):
+        processes = None if args.decode is None else args.decode == "processes"
+        paths = () if args.cpu_side_only else (False, True) if not args.no_baseline else (True,)
+        for fast in paths:
             # Each path its own data root over the same shards (a done shard is skipped).
             root = work / ("fast" if fast else "baseline")
             (root / "bench").mkdir(parents=True)
@@ -119,18 +129,28 @@ def main() -> None:
             scorer = score.load_scorer(spec, torch.device(device), fast=fast)
             build_s = time.perf_counter() - start
             kw = dict(device=device, batch_size=batch_size, workers=args.workers, fast=fast)
+            if fast:
+                kw["processes"] = processes
             score.score_shard(root, "bench", "00000", spec, **kw)
             stats = score.score_shard(root, "bench", "00001", spec, **kw)
             runs[fast] = (scorer, stats, build_s)
+        if not runs:
+            start = time.perf_counter()
+            scorer = score.load_scorer(spec, torch.device(device), fast=True)
+            runs[True] = (scorer, None, time.perf_counter() - start)
         images = read_shard(work, "00001")
         jpeg_bytes = sum(len(d) for d in images)
         workers = args.workers or default_workers(device)
-        cpu_rate = cpu_side_rate(runs[True][0], images, batch_size, workers)
+        in_processes = device == "cuda" if processes is None else processes
+        cpu_rates = {
+            way: cpu_side_rate(runs[True][0], images, batch_size, workers, way == "processes")
+            for way in ("threads", "processes")
+        }
         cpu_ms = cpu_ms_per_image(runs[True][0], images[:64])
     finally:
         shutil.rmtree(work)
     scorer, stats, build_s = runs[True]
-    rate = stats.num_out / stats.seconds
+    rate = stats.num_out / stats.seconds if stats else None
     base = runs.get(False)
     base_rate = base[1].num_out / base[1].seconds if base else None
     nets = (scorer.embed, scorer.similarity, scorer.aesthetic, scorer.nsfw, scorer.watermark)
@@ -142,20 +162,24 @@ def main() -> None:
                 "device": device,
                 "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
                 "torch": torch.__version__,
-                "images": stats.num_out,
+                "images": stats.num_out if stats else len(images),
                 "image_side": args.side,
                 "jpeg_kb": round(jpeg_bytes / len(images) / 1e3, 1),
                 "batch_size": batch_size,
                 "workers": workers,
+                "decode": "processes" if in_processes else "threads",
                 "baseline_workers": args.workers or min(8, os.cpu_count() or 1),
-                "seconds": stats.seconds,
-                "images_per_s": round(rate, 1),
+                "seconds": stats.seconds if stats else None,
+                "images_per_s": round(rate, 1) if stats else None,
                 "baseline_seconds": base[1].seconds if base else None,
                 "baseline_images_per_s": round(base_rate, 1) if base else None,
                 "speedup": round(rate / base_rate, 2) if base else None,
                 "precision": "fp16 weights" if scorer.half else "fp32",
                 "baseline_precision": "fp16 autocast" if device == "cuda" else "fp32",
-                "cpu_images_per_s": round(cpu_rate, 1),
+                "cpu_images_per_s": round(cpu_rates["processes" if in_processes else "threads"], 1),
+                "cpu_images_per_s_threads": round(cpu_rates["threads"], 1),
+                "cpu_images_per_s_processes": round(cpu_rates["processes"], 1),
+                "cpu_processes_vs_threads": round(cpu_rates["processes"] / cpu_rates["threads"], 2),
                 "cpu_ms_per_image": cpu_ms,
                 "build_seconds": round(build_s, 2),
                 "params_m": round(sum(p.numel() for n in nets for p in n.parameters()) / 1e6, 1),
@@ -179,23 +203,41 @@ def read_shard(root: Path, shard: str) -> list[bytes]:
         return [tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()]
 
 
-def cpu_side_rate(scorer, images: list[bytes], batch_size: int, workers: int) -> float:
+def cpu_side_rate(scorer, images: list[bytes], batch_size: int, workers: int, processes: bool):
     """images/s of the fast path's CPU side alone: each image decoded, resized and pHashed
-    into a slot by the same worker threads, no networks."""
-    from concurrent.futures import ThreadPoolExecutor
+    into a slot by the stage's own decoders (threads, or the node's decode processes), slots
+    freed in order as score_images frees them, no networks. A first pass over a few chunks
+    per worker starts the processes' imports and is not timed."""
+    from collections import deque
 
-    from tasks.curation import score
+    from tasks.curation import score_decode, score_slots
 
-    slots = score._Slots(scorer, 3 * batch_size)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [
-            pool.submit(score._decode, scorer, data, slots, i % len(slots.free))
-            for i, data in enumerate(images)
-        ]
-        for f in futures:
-            f.result()
-    return len(images) / (time.perf_counter() - start)
+    pool = score_decode.decode_pool(workers) if processes else None
+
+    def run(data: list[bytes]) -> float:
+        slots = score_slots.Slots(scorer, 3 * batch_size, shared=processes)
+        decoders = score_slots.Decoders(scorer, slots, workers, pool, score_decode.CHUNK)
+        pending: deque[tuple[int, int]] = deque()
+        start = time.perf_counter()
+        try:
+            for i, image in enumerate(data):
+                while not slots.free:
+                    j, slot = pending.popleft()
+                    decoders.result(j)
+                    slots.free.append(slot)
+                slot = slots.free.pop()
+                decoders.decode(i, slot, image)
+                pending.append((i, slot))
+            decoders.flush()
+            while pending:
+                decoders.result(pending.popleft()[0])
+        finally:
+            decoders.close()
+            slots.close()
+        return len(data) / (time.perf_counter() - start)
+
+    run(images[: 2 * workers * score_decode.CHUNK])
+    return run(images)
 
 
 def cpu_ms_per_image(scorer, images: list[bytes]) -> dict:

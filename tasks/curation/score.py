@@ -16,20 +16,17 @@ weights), kept for the benchmark's baseline.
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import tarfile
 from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import scipy.fft
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -37,7 +34,10 @@ from PIL import Image
 from catalog.schema import ScoringModel
 from sdtrain.atomic import atomic_path
 from sdtrain.lazy import BUILD_LOCK
-from tasks.curation import selection
+from tasks.curation import score_decode, selection
+
+# 64-bit pHash, bit for bit imagehash's (with the process decoders, where it is computed).
+from tasks.curation.score_decode import phash as phash
 from tasks.curation.score_nets import (
     AestheticHead,
     NSFWHead,
@@ -53,8 +53,10 @@ from tasks.curation.score_nets import ScoringWeightsError as ScoringWeightsError
 # The scorer a shard's scores were made by, and its cache-key digest (the flows key by them).
 from tasks.curation.score_nets import identity_digest as identity_digest
 from tasks.curation.score_nets import scorer_identity as scorer_identity
-from tasks.latents.images import image_members
+from tasks.curation.score_slots import Decoders, Slots
+from tasks.latents.images import DecodePool, image_members
 from tasks.latents.images import read_images as read_tar_images
+from tasks.runtime import concurrency
 from tasks.runtime.shards import ShardStats, done_record, run_shard, stats_path
 
 STAGE = "scores"
@@ -153,11 +155,11 @@ class Scorer:
         x = pixels_BHWC.permute(0, 3, 1, 2).to(torch.float32)
         return x.div_(self._255).sub_(mean).div_(std)
 
-    def _stage(self, slots: _Slots, slot_ids: list[int]) -> list[torch.Tensor]:
+    def _stage(self, slots: Slots, slot_ids: list[int]) -> list[torch.Tensor]:
         """A batch's uint8 inputs gathered from the slots, on the device. On CUDA through one
         of the slots' two pinned buffers, copied without blocking; a buffer is reused once its
         last copy is done (an event, long since passed: no wait on the networks). The buffers
-        are the shard's (`_Slots`), so shard tasks sharing the scorer in threads never share
+        are the shard's (`Slots`), so shard tasks sharing the scorer in threads never share
         them."""
         n = len(slot_ids)
         if self.device.type != "cuda":
@@ -183,7 +185,7 @@ class Scorer:
         return out
 
     @torch.no_grad()
-    def submit(self, slots: _Slots, slot_ids: list[int], captions: list[str]) -> _Pending:
+    def submit(self, slots: Slots, slot_ids: list[int], captions: list[str]) -> _Pending:
         """Queue one batch of slotted images; `.get()` of the result: `score`'s dict."""
         if not self.fast:
             return _Pending(self.score([slots.prepared(i) for i in slot_ids], captions))
@@ -300,66 +302,9 @@ def load_scorer(spec: ScoringModel, device: torch.device, *, fast: bool = True) 
         return _scorers[key]
 
 
-def phash(img: Image.Image) -> int:
-    """64-bit perceptual hash, bit for bit `imagehash.phash`: the 8x8 lowest DCT frequencies of
-    the 32x32 grayscale image against their median, first coefficient as the highest bit."""
-    pixels = np.asarray(img.convert("L").resize((32, 32), Image.Resampling.LANCZOS), np.float64)
-    low = scipy.fft.dct(scipy.fft.dct(pixels, axis=0), axis=1)[:8, :8]
-    bits = np.packbits((low > np.median(low)).reshape(-1))
-    return int.from_bytes(bits.tobytes(), "big")
-
-
 def read_images(tar_path: Path, keys: set[str]) -> dict[str, bytes]:
     """The image bytes of `keys` from a shard's tar (only theirs are read)."""
     return read_tar_images(tar_path, keys, IMAGE_EXTENSIONS)
-
-
-class _Slots:
-    """The network inputs of `num_slots` images, allocated once per shard.
-
-    A decoder writes an image's inputs into a free slot and a batch is gathered from its
-    images' slots, so the inputs held do not grow with the shard, and every large tensor a
-    decoder makes is freed in its own thread (freed in another, glibc kept the memory in the
-    decoders' arenas: the RSS crept up with every image).
-    """
-
-    def __init__(self, scorer: Scorer, num_slots: int):
-        # Fast path: uint8 HWC pixels (0.35 MB an image at 224 + 256 px); else float32 CHW.
-        made = [t for t in scorer.prepare(Image.new("RGB", (8, 8))) if t is not None]
-        self.inputs = [
-            torch.empty(
-                (num_slots, *t.shape), dtype=t.dtype if isinstance(t, torch.Tensor) else torch.uint8
-            )
-            for t in made
-        ]
-        self.same_input = scorer.same_input
-        self.free = list(range(num_slots))
-        # CUDA's fast path: two pinned batch buffers and each one's last copy (Scorer._stage).
-        self.stages: list[tuple[list[torch.Tensor], torch.cuda.Event | None]] = []
-
-    def write(self, slot: int, prepared: tuple) -> None:
-        for buf, tensor in zip(self.inputs, (t for t in prepared if t is not None), strict=True):
-            if isinstance(tensor, np.ndarray):  # the fast path's uint8 pixels
-                buf[slot].numpy()[...] = tensor
-            else:
-                buf[slot].copy_(tensor)
-
-    def prepared(self, slot: int) -> tuple:
-        """What `Scorer.prepare` returned for the slot's image (views of the slot)."""
-        views = [buf[slot] for buf in self.inputs]
-        return (views[0], None, views[1]) if self.same_input else tuple(views)
-
-
-def _decode(scorer: Scorer, data: bytes, slots: _Slots, slot: int) -> int | str:
-    """pHash of one image's bytes, its network inputs written to `slot`; or the reason it
-    cannot be scored."""
-    try:
-        img = Image.open(io.BytesIO(data))
-        img = img.convert("RGB")
-    except Exception:  # any decoder failure is this one image's, not the shard's
-        return "decode_error"
-    slots.write(slot, scorer.prepare(img))
-    return phash(img)
 
 
 def score_images(
@@ -370,18 +315,21 @@ def score_images(
     batch_size: int,
     workers: int,
     ahead: int = 2,
+    pool: DecodePool | None = None,
+    chunk: int = score_decode.CHUNK,
 ) -> tuple[list[int], Scores, dict[int, str]]:
     """Score image bytes: (indices scored, their scores, drop reason per unscored index).
 
-    Streamed: worker threads decode and prepare up to `ahead` batches beyond the one being
-    filled, so memory holds a few batches of network inputs, not the shard's. A batch is the
-    next `batch_size` decodable images in order, as when the whole input was decoded first, so
-    the scores are the same bits.
+    Streamed: decoders prepare up to `ahead` batches beyond the one being filled, so memory
+    holds a few batches of network inputs, not the shard's. A batch is the next `batch_size`
+    decodable images in order, as when the whole input was decoded first, so the scores are
+    the same bits. Decoders: `workers` threads, or `pool`'s processes (the fast path only,
+    `score_decode.decode_pool`), `chunk` images per request, writing into shared slots.
     """
     rows: list[int] = []
     dropped: dict[int, str] = {}
     parts: dict[str, list[np.ndarray]] = {}
-    slots = _Slots(scorer, (ahead + 1) * batch_size)
+    slots = Slots(scorer, (ahead + 1) * batch_size, shared=pool is not None)
     batch: list[tuple[int, str, int]] = []  # (slot, caption, pHash) of the batch being filled
     queued: deque[tuple[_Pending, np.ndarray]] = deque()  # batches on the device, oldest first
 
@@ -403,8 +351,8 @@ def score_images(
             collect()
 
     def take() -> None:
-        i, slot, caption, decoded = pending.popleft()
-        result = decoded.result()
+        i, slot, caption = pending.popleft()
+        result = decoders.result(i)
         if isinstance(result, str):
             dropped[i] = result
             slots.free.append(slot)
@@ -414,15 +362,21 @@ def score_images(
         if len(batch) == batch_size:
             score_batch()
 
-    pending: deque[tuple[int, int, str, Future]] = deque()
-    with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without the GIL
+    pending: deque[tuple[int, int, str]] = deque()
+    decoders = Decoders(scorer, slots, workers, pool, chunk)
+    try:
         for i, (data, caption) in enumerate(zip(images, captions, strict=True)):
             while not slots.free:
                 take()
             slot = slots.free.pop()
-            pending.append((i, slot, caption, pool.submit(_decode, scorer, data, slots, slot)))
+            decoders.decode(i, slot, data)
+            pending.append((i, slot, caption))
+        decoders.flush()
         while pending:
             take()
+    finally:
+        decoders.close()
+        slots.close()
     if batch:
         score_batch()
     while queued:
@@ -470,16 +424,25 @@ def score_shard(
     batch_size: int | None = None,
     workers: int | None = None,
     fast: bool = True,
+    processes: bool | None = None,
 ) -> ShardStats:
     """Score the fetched images of one shard (status `success` rows of its sample table).
 
-    workers: decoding threads; default every core on CUDA's fast path (the CPU side is its
-    limit), else up to 8. fast=False: the old path (the benchmark's baseline)."""
+    processes: decode in the node's kept decode processes (`score_decode.decode_pool`, the
+    fast path only) rather than threads; default on CUDA's fast path, where the CPU side is
+    the limit and threads meet at the GIL. workers: how many; default the node's worker
+    budget (`SDPIPE_WORKERS`, else its cores) for processes, every core for threads on CUDA's
+    fast path, else up to 8 threads. fast=False: the old path (the benchmark's baseline)."""
     table_path = root / source / "shards" / f"{shard}.parquet"
     tar_path = table_path.with_suffix(".tar")
 
     def work(stats: ShardStats) -> None:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        in_processes = fast and dev.type == "cuda" if processes is None else processes
+        if in_processes and not fast:
+            raise ValueError("decode processes serve the fast path only (fast=True)")
+        budget = workers or concurrency.workers()
+        pool = score_decode.decode_pool(budget) if in_processes else None  # starting meanwhile
         scorer = load_scorer(spec, dev, fast=fast)
         cores = os.cpu_count() or 1
         default_workers = cores if fast and dev.type == "cuda" else min(8, cores)
@@ -498,6 +461,7 @@ def score_shard(
                 [r["caption"] for r in present],
                 batch_size=batch_size or spec.batch_size,
                 workers=workers or default_workers,
+                pool=pool,
             )
         for reason in dropped.values():
             stats.drop(reason)

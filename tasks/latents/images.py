@@ -428,25 +428,28 @@ class DecodePool(Lanes):
             worker = worker or self._start()
             return worker.call(request), worker
         except WorkerDied:
-            return self._one_at_a_time(*request), None
+            return self._one_at_a_time(*request)
 
-    def _one_at_a_time(self, task, items, size, options):
+    def _one_at_a_time(self, task, items, size, options) -> tuple:
+        """The request's items each alone, on one worker replaced only when an item kills it
+        (a worker can cost seconds of imports to start): (the result, the worker to keep)."""
         rows, parts, dropped = [], [], {}
+        worker = None
         for item in items:
-            worker = _Worker(self.command)
             try:
+                worker = worker or self._start()
                 ok, payload, why = worker.call((task, [item], size, options))
             except WorkerDied:
                 dropped[item[0]] = "decoder_crash"
+                worker = None
                 continue
-            worker.close()
             rows += ok
             parts.append(payload)
             dropped |= why
         empty = WORKER_TASKS[task]([], size, **options)[1]
         if isinstance(empty, np.ndarray):
-            return rows, np.concatenate([empty, *parts]), dropped
-        return rows, [x for part in parts for x in part], dropped
+            return (rows, np.concatenate([empty, *parts]), dropped), worker
+        return (rows, [x for part in parts for x in part], dropped), worker
 
 
 def image_members(

@@ -16,7 +16,7 @@ from PIL import Image
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
 from catalog.schema import ScoringModel
-from tasks.curation import score
+from tasks.curation import score, score_slots
 from tasks.sources import demo_source
 
 FIELDS = ("aesthetic", "similarity", "pwatermark", "punsafe", "phash", "embedding")
@@ -99,13 +99,13 @@ def test_fast_path_scores_are_the_old_paths_on_the_cpu(tiny):
 
 def test_fast_slots_hold_uint8_pixels(tiny):
     scorer = score.Scorer(tiny, torch.device("cpu"))
-    slots = score._Slots(scorer, 3)
+    slots = score_slots.Slots(scorer, 3)
     side = tiny.watermark_side
     assert [(b.dtype, tuple(b.shape)) for b in slots.inputs] == [
         (torch.uint8, (3, 32, 32, 3)),
         (torch.uint8, (3, side, side, 3)),
     ]
-    old = score._Slots(score.Scorer(tiny, torch.device("cpu"), fast=False), 3)
+    old = score_slots.Slots(score.Scorer(tiny, torch.device("cpu"), fast=False), 3)
     assert [b.dtype for b in old.inputs] == [torch.float32, torch.float32]
 
 

@@ -1,0 +1,136 @@
+"""score's CPU side in processes: decode, PIL resizes and pHash, written into shared slots.
+
+An image's PIL work is ~7.6 ms of CPU (a 512 px JPEG: decode, bicubic resizes and crops,
+pHash), ~2,100 images/s on 16 cores, yet 16 decode threads reached 529 images/s on an H200
+host (docs/benchmarks.md, issue 28): PIL releases the GIL inside its C loops, not between its
+steps. Here a chunk of images goes to a decode worker process (`images.DecodePool`, started
+with this module as its program), which writes each image's uint8 network inputs straight into
+the shard's slots and sends back only its pHash. The slots live in a memfd: the parent maps it
+as its slot tensors and a worker opens it through `/proc/<parent>/fd/<n>` for the chunk, so
+only image bytes and pHashes cross the pipes, and a killed run leaves nothing behind (the
+memory goes with the last process that maps it; a /dev/shm file would stay).
+
+The worker runs the scorer's own PIL steps (`score.pil_steps` of open_clip's transforms and the
+watermark model's), pickled with each chunk, so its pixels are the thread path's bits. A
+worker that dies in an image is replaced and the image dropped as `decoder_crash`
+(`DecodePool`); an image no decoder reads is `decode_error`, as in the thread path. This
+module imports neither torch nor sdpipe's flows: the worker loads only what unpickling the
+steps needs (torchvision, open_clip).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import sys
+from math import prod
+
+import numpy as np
+import scipy.fft
+from PIL import Image
+
+from tasks.latents import images
+from tasks.runtime import concurrency
+
+COMMAND = (sys.executable, "-m", "tasks.curation.score_decode")
+CHUNK = 8  # images per request: a pipe round trip per 8 x ~7.6 ms of work
+
+
+def phash(img: Image.Image) -> int:
+    """64-bit perceptual hash, bit for bit `imagehash.phash`: the 8x8 lowest DCT frequencies of
+    the 32x32 grayscale image against their median, first coefficient as the highest bit."""
+    pixels = np.asarray(img.convert("L").resize((32, 32), Image.Resampling.LANCZOS), np.float64)
+    low = scipy.fft.dct(scipy.fft.dct(pixels, axis=0), axis=1)[:8, :8]
+    bits = np.packbits((low > np.median(low)).reshape(-1))
+    return int.from_bytes(bits.tobytes(), "big")
+
+
+def open_rgb(data: bytes) -> Image.Image:
+    """An image's bytes as an RGB PIL image (PIL's own errors, a bomb's included, raise)."""
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+class SharedSlots:
+    """Anonymous shared memory holding arrays of `shapes` (uint8, one after another), mapped
+    here; `path` opens it in another process of this user while this object is open."""
+
+    def __init__(self, shapes: list[tuple[int, ...]]):
+        self.layout = []
+        offset = 0
+        for shape in shapes:
+            self.layout.append((offset, tuple(shape)))
+            offset += prod(shape)
+        self.fd = os.memfd_create("sdpipe-score-slots", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, max(offset, 1))
+        self.map = mmap.mmap(self.fd, max(offset, 1))
+        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def arrays(self) -> list[np.ndarray]:
+        """The arrays, views of the shared memory (they keep the mapping alive)."""
+        return [_view(self.map, offset, shape) for offset, shape in self.layout]
+
+    def close(self) -> None:
+        """No new process can open it; the mapping lives on while an array views it."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _view(buffer, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+    return np.frombuffer(buffer, np.uint8, prod(shape), offset).reshape(shape)
+
+
+def prepare_rows(
+    items: list[tuple[int, int, bytes]], size: int, *, steps: list, memory: str, layout: list
+) -> tuple[list[int], list[int], dict[int, str]]:
+    """Worker task: each (row, slot, image bytes) decoded to RGB, each of `steps` (PIL
+    transforms) applied and its pixels written to the slot of the matching array of `layout`
+    in the shared memory at `memory`: (rows done, their pHashes, reason per dropped row).
+    `size` is unused (the steps set the shapes)."""
+    if not items:
+        return [], [], {}
+    fd = os.open(memory, os.O_RDWR)
+    try:
+        mapped = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    try:
+        return _prepare(items, steps, mapped, layout)
+    finally:
+        mapped.close()  # its views were _prepare's locals: gone
+
+
+def _prepare(items: list, steps: list, mapped: mmap.mmap, layout: list) -> tuple:
+    rows, hashes, dropped = [], [], {}
+    arrays = [_view(mapped, offset, tuple(shape)) for offset, shape in layout]
+    for row, slot, data in items:
+        try:
+            img = open_rgb(data)
+            pixels = [np.asarray(step(img)) for step in steps]
+        except Exception:  # any decoder failure is this one image's, not the chunk's
+            dropped[row] = "decode_error"
+            continue
+        for array, px in zip(arrays, pixels, strict=True):
+            array[slot] = px
+        rows.append(row)
+        hashes.append(phash(img))
+    return rows, hashes, dropped
+
+
+images.WORKER_TASKS["score"] = prepare_rows
+
+_pools: concurrency.Kept[images.DecodePool] = concurrency.Kept(
+    lambda n: images.DecodePool(n, COMMAND, eager=True)
+)
+
+
+def decode_pool(num_workers: int) -> images.DecodePool:
+    """The process's score decode workers, `num_workers` of them, kept for every later shard
+    and shared by the shard tasks of every GPU of the node. Started at once, while the scorer
+    is built: each takes ~4 s to import open_clip, which unpickling the steps needs."""
+    return _pools.get(num_workers)
+
+
+if __name__ == "__main__":
+    images.serve()

@@ -1,0 +1,176 @@
+"""score's CPU side in decode processes (tasks/curation/score_decode.py): the same bits as the
+thread path, drops counted alike, a crashing image dropped alone, nothing left behind."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import tarfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from catalog import load_catalog
+from catalog.loader import PACKAGED_DIR
+from tasks.curation import score, score_decode, score_slots
+from tasks.latents import images as image_mod
+from tasks.sources import demo_source
+
+FIELDS = ("aesthetic", "similarity", "pwatermark", "punsafe", "phash", "embedding")
+
+# A score worker that dies (as a decoder crash would) on the bytes b"crash".
+CRASHING = (
+    sys.executable,
+    "-c",
+    "import os, tasks.curation.score_decode as m\n"
+    "def prepare(items, size, **kw):\n"
+    "    if any(data == b'crash' for _, _, data in items):\n"
+    "        os._exit(139)\n"
+    "    return m.prepare_rows(items, size, **kw)\n"
+    "m.images.WORKER_TASKS['score'] = prepare\n"
+    "m.images.serve()\n",
+)
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    return score.Scorer(load_catalog(PACKAGED_DIR).scorer("tiny-scoring"), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = image_mod.DecodePool(2, score_decode.COMMAND)
+    yield pool
+    pool.close()
+
+
+def encoded(img: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def awkward_images(n: int) -> tuple[list[bytes], list[str]]:
+    """JPEGs of several sizes and aspect ratios, and the awkward ones of real shards: a PNG
+    with alpha, a palette GIF, grayscale, CMYK, 16-bit PNG, a cut-off JPEG, bytes of nothing."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        w, h = 40 + 13 * (i % 7), 36 + 29 * (i % 3)
+        img, _ = demo_source.draw_scene(rng, w, h)
+        out.append(encoded(img, "JPEG"))
+    scene, _ = demo_source.draw_scene(rng, 64, 48)
+    rgba = scene.convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize((64, 48)))
+    out[1] = encoded(rgba, "PNG")
+    out[2] = encoded(scene.convert("P"), "GIF")
+    out[4] = encoded(scene.convert("L"), "JPEG")
+    out[5] = encoded(scene.convert("CMYK"), "JPEG")
+    out[6] = encoded(Image.fromarray(np.full((30, 50), 40000, np.uint16)), "PNG")
+    out[7] = out[0][: len(out[0]) // 2]
+    out[9] = b"not an image"
+    captions = [f"scene {i}" if i % 4 else "" for i in range(n)]
+    return out, captions
+
+
+def test_processes_score_the_threads_bits(scorer, pool):
+    # Same input bits, same networks: the scores, pHashes and drops of the thread path, bit
+    # for bit, at any batch split and chunk size (a chunk spanning batches, a chunk of one).
+    images, captions = awkward_images(23)
+    for batch_size, chunk in ((4, 3), (32, 8), (5, 1)):
+        kw = dict(batch_size=batch_size, workers=2)
+        expected = score.score_images(scorer, images, captions, **kw)
+        assert expected[2] == {7: "decode_error", 9: "decode_error"}
+        rows, got, dropped = score.score_images(
+            scorer, images, captions, **kw, pool=pool, chunk=chunk
+        )
+        assert rows == expected[0] and dropped == expected[2]
+        for name in FIELDS:
+            np.testing.assert_array_equal(getattr(got, name), getattr(expected[1], name), name)
+
+
+def test_a_crashing_image_is_dropped_alone(scorer):
+    images, captions = awkward_images(10)
+    images[6] = b"crash"
+    crashing = image_mod.DecodePool(1, CRASHING)
+    try:
+        rows, got, dropped = score.score_images(
+            scorer, images, captions, batch_size=4, workers=1, pool=crashing, chunk=4
+        )
+    finally:
+        crashing.close()
+    assert dropped == {6: "decoder_crash", 7: "decode_error", 9: "decode_error"}
+    assert rows == [i for i in range(10) if i not in (6, 7, 9)]
+    alone = [images[i] for i in rows]
+    expected = score.score_images(
+        scorer, alone, [captions[i] for i in rows], batch_size=4, workers=1
+    )
+    np.testing.assert_array_equal(got.embedding, expected[1].embedding)
+    np.testing.assert_array_equal(got.phash, expected[1].phash)
+
+
+def test_shared_slots_are_gone_with_the_shard(scorer, pool):
+    # The slots' memfd is closed when the shard is done: no process can open it any more and
+    # nothing is left in /dev/shm by a run, finished or killed.
+    slots = score_slots.Slots(scorer, 4, shared=True)
+    path = slots.memory.path
+    assert os.path.exists(path)
+    slots.close()
+    assert not os.path.exists(path)
+    with pytest.raises(ValueError, match="fast path"):
+        fp32 = score.Scorer(scorer.spec, torch.device("cpu"), fast=False)
+        score_slots.Slots(fp32, 4, shared=True)
+
+
+def test_score_shard_in_processes_records_what_threads_do(scorer, tmp_path, monkeypatch):
+    # The stage itself, decode processes asked for (the default on CUDA's fast path): its
+    # scores file equals the thread path's, drops counted under the same reasons.
+    images, captions = awkward_images(12)
+    shards = tmp_path / "web" / "shards"
+    shards.mkdir(parents=True)
+    rows = []
+    with tarfile.open(shards / "00000.tar", "w") as tar:
+        for i, data in enumerate(images):
+            info = tarfile.TarInfo(f"k{i:03d}.jpg")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+            rows.append({"key": f"k{i:03d}", "caption": captions[i], "status": "success"})
+    rows.append({"key": "k999", "caption": "", "status": "success"})  # not in the tar
+    pq.write_table(pa.Table.from_pylist(rows), shards / "00000.parquet")
+    spec = scorer.spec
+    monkeypatch.setenv("SDPIPE_WORKERS", "2")
+    made = {}
+    for processes in (False, True):
+        root = tmp_path / f"p{int(processes)}"
+        (root / "web").mkdir(parents=True)
+        (root / "web" / "shards").symlink_to(shards)
+        stats = score.score_shard(root, "web", "00000", spec, device="cpu", processes=processes)
+        made[processes] = (stats, pq.read_table(root / "web" / "scores" / "00000.parquet"))
+    (threads, expected), (procs, got) = made[False], made[True]
+    assert got.equals(expected)
+    assert procs.dropped == threads.dropped == {"missing_image": 1, "decode_error": 2}
+    assert (procs.num_in, procs.num_out) == (threads.num_in, threads.num_out) == (13, 10)
+    assert 2 in score_decode._pools._made  # the node's budget: one kept pool of 2 processes
+
+
+@pytest.mark.gpu
+def test_cuda_default_decodes_in_processes_with_the_threads_results(tmp_path):
+    # On CUDA's fast path the stage decodes in processes by default: the same rows, drops and
+    # pHashes as threads; scores within fp16 noise (cuBLAS may split sums differently).
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cuda = score.Scorer(load_catalog(PACKAGED_DIR).scorer("tiny-scoring"), torch.device("cuda"))
+    images, captions = awkward_images(40)
+    kw = dict(batch_size=8, workers=2)
+    expected = score.score_images(cuda, images, captions, **kw)
+    pool = score_decode.decode_pool(2)
+    rows, got, dropped = score.score_images(cuda, images, captions, **kw, pool=pool)
+    assert rows == expected[0] and dropped == expected[2]
+    np.testing.assert_array_equal(got.phash, expected[1].phash)
+    for name in ("aesthetic", "similarity", "pwatermark", "punsafe"):
+        np.testing.assert_allclose(getattr(got, name), getattr(expected[1], name), atol=1e-3)
