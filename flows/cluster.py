@@ -38,28 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.runtime.net import python_path, unreachable
+from tasks.runtime.net import node_env, unreachable
 from tasks.runtime.shards import ShardStats, current_node
 
 log = logging.getLogger(__name__)
 
-# What a node needs from the flow's process to find the data, the catalog and the weights.
-FORWARDED_ENV = (
-    "SDPIPE_DATA",
-    "SDPIPE_CATALOG",
-    "SDPIPE_ALLOW_DOWNLOADS",
-    "SDPIPE_FETCH_SHARDS",
-    "SDPIPE_FETCH_PROCESSES",
-    "SDPIPE_FETCH_THREADS",
-    "SDPIPE_FETCH_MAX_SECONDS",
-    "SDPIPE_FETCH_MAX_BYTES",
-    "SDPIPE_TOKENIZE_PROCESSES",
-    "SDPIPE_DEVICE_LOCKS",
-    "HF_HOME",
-    "HF_HUB_OFFLINE",
-    "HF_TOKEN",
-    "NO_ALBUMENTATIONS_UPDATE",
-)
 # A shard task's call on an agent waits as long as its work takes (a GPU shard waits for its
 # lane): no timeout here; a lost node ends the call with RayActorError.
 AGENT_CONCURRENCY = 1024
@@ -77,12 +60,12 @@ def cluster_address(cluster: str | None) -> str | None:
 
 
 def forwarded_env() -> dict[str, str]:
-    """This process's settings every node needs: sdpipe's, the Prefect API (nodes report to the
-    same server), and the checkout on PYTHONPATH (the agents run this code, not an installed
-    copy)."""
+    """This process's settings every node needs (`net.node_env`: sdpipe's, paths absolute, the
+    checkout on PYTHONPATH) and the Prefect API it reports to, from the environment or the
+    active Prefect profile: nodes report to the same server."""
     from prefect.settings import get_current_settings
 
-    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+    env = node_env()
     api = get_current_settings().api
     if api.url:
         env["PREFECT_API_URL"] = api.url
@@ -90,7 +73,6 @@ def forwarded_env() -> dict[str, str]:
         env["PREFECT_API_KEY"] = api.key.get_secret_value()
     if api.auth_string:
         env["PREFECT_API_AUTH_STRING"] = api.auth_string.get_secret_value()
-    env["PYTHONPATH"] = python_path()
     return env
 
 

@@ -163,10 +163,15 @@ def train_task(
     start = time.monotonic()
     try:
         if on_nodes(nodes, cluster):
+            from flows.cluster import forwarded_env
             from tasks.phases.train_nodes import launch_training_on_nodes
 
             summary = launch_training_on_nodes(
-                config, nodes=nodes, cluster=cluster, on_line=live.watching(on_line)
+                config,
+                nodes=nodes,
+                cluster=cluster,
+                on_line=live.watching(on_line),
+                env=forwarded_env(),
             )
         else:
             with training_slot():

@@ -32,11 +32,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sdtrain.config import TrainConfig
 from tasks.phases.train import STOP_MARGIN_S, TrainingFailed, node_line
-from tasks.runtime.net import PROJECT_ROOT, python_path, unreachable
+from tasks.runtime.net import PROJECT_ROOT, node_env, python_path, unreachable
 
-# What the ranks need from the launching process (the flow run) besides the node's own
-# environment: the data root and catalog, the model cache, secrets put there by the flow.
-FORWARDED_PREFIXES = ("SDPIPE_", "HF_", "WANDB_", "PREFECT_API_")
 POLL_S = 0.5  # between two reads of the nodes' new lines
 READ_TIMEOUT_S = 10.0  # one read of a node's lines
 ANSWER_S = 60.0  # a node whose actor has not answered in this long, while running, is lost
@@ -275,9 +272,11 @@ def start(
     places = ray.get([a.where.remote() for a in actors])  # the actors' start: their own time
     rendezvous = f"{places[0]['ip']}:{ray.get(actors[0].free_port.remote())}"
     run_id = f"{Path(config.run_dir).name}-{uuid.uuid4().hex[:8]}"
-    forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
-    # One thread per rank: torch would otherwise start a full pool in every rank.
-    rank_env = {**forwarded, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # What the ranks need from the launching process besides the node's own environment: the
+    # data root and catalog, the weights, the model cache, secrets (`node_env`), and `env`
+    # (the flows add the Prefect API of their profile). One thread per rank: torch would
+    # otherwise start a full pool in every rank.
+    rank_env = {**node_env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     nodes = _Nodes(actors, places, on_line)
     # The first node hosts the rendezvous store, said outright: torchrun's guess from the
     # address fails where nodes share one (containers on one host, the tests' local cluster).

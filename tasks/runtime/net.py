@@ -1,5 +1,5 @@
 """Loopback helpers shared by the demo server, torchrun launches and tests, and what a Ray
-cluster's nodes need to reach it and run this checkout."""
+cluster's nodes need to reach it and run this checkout (`python_path`, `node_env`)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,47 @@ def python_path() -> str:
     installed there (the same path on every node)."""
     paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return os.pathsep.join(dict.fromkeys(paths))
+
+
+# What every node's actors take from the process that starts them: sdpipe's settings, the
+# Hugging Face and W&B ones, the Prefect API's (the flows add the API of a Prefect profile).
+FORWARDED_PREFIXES = ("SDPIPE_", "HF_", "WANDB_", "PREFECT_API_")
+FORWARDED_NAMES = ("NO_ALBUMENTATIONS_UPDATE",)
+# Not forwarded: a node's own budget, name, GPU pool and devices (set per node where needed).
+NODE_OWN = (
+    "SDPIPE_WORKERS",
+    "SDPIPE_NODE",
+    "SDPIPE_GPU_POOL",
+    "SDPIPE_DEVICES",
+    "SDPIPE_GPU_SLOTS",
+)
+# Paths, made absolute: an actor's working folder is not this process's (shared storage is
+# mounted at the same path on every node).
+PATH_SETTINGS = (
+    "SDPIPE_DATA",
+    "SDPIPE_CATALOG",
+    "SDPIPE_WEIGHTS",
+    "SDPIPE_SEMANTIC_TEMP",
+    "SDPIPE_DUCKDB_TEMP",
+    "SDPIPE_DEVICE_LOCKS",
+    "HF_HOME",
+)
+
+
+def node_env() -> dict[str, str]:
+    """This process's settings for the actors it starts on a cluster's nodes (build agents,
+    training launchers, encode and generation workers): the forwarded prefixes and names less
+    each node's own, paths absolute, the weights folder as this process resolves it (its
+    default is relative: ./weights here, not in an actor's folder), and this checkout first
+    on PYTHONPATH."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if (k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES) and k not in NODE_OWN
+    }
+    for k in PATH_SETTINGS:
+        if env.get(k):
+            env[k] = str(Path(env[k]).absolute())
+    env["SDPIPE_WEIGHTS"] = env.get("SDPIPE_WEIGHTS") or str(Path("weights").absolute())
+    env["PYTHONPATH"] = python_path()
+    return env

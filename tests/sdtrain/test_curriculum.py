@@ -8,6 +8,7 @@ import time
 
 import pytest
 from prefect import flow
+from prefect.settings import get_current_settings
 
 from flows.curriculum import training_slot, training_slot_name
 
@@ -58,9 +59,11 @@ def test_a_phase_on_more_nodes_trains_through_the_ray_cluster(
     launches: list[tuple] = []
     summary = {"steps": 1}
 
-    def on_nodes(config, *, nodes, cluster, on_line):
+    def on_nodes(config, *, nodes, cluster, on_line, env):
         on_line("[node 0 10.0.0.1] sample grid step 1: grid.png")  # redraws the pictures
         launches.append(("ray", nodes, cluster))
+        # The ranks report to this flow's Prefect API, whether from the environment or a profile.
+        assert env["PREFECT_API_URL"] == get_current_settings().api.url
         return summary
 
     def here(config, *, on_line):
