@@ -11,9 +11,9 @@ Design choices:
 - One unit of work (stage `hf`, shard `all`): every done token shard is read, one at a time,
   into an Arrow stream file per split, so memory holds one shard, not the source; the
   memory-mapped splits are then saved by `save_to_disk` into a hidden temporary folder under
-  `<root>/<source>/` and renamed to `hf/`. A killed run leaves only the hidden folder (removed
-  by the next run), never a half-written `hf/`; the stats record `hf/all.stats.json` is
-  written after the rename and marks the export done.
+  `<root>/<source>/` and exchanged with `hf/` in one rename. A killed run leaves only the
+  hidden folder (removed by the next run) beside the `hf/` there before, never a half-written
+  `hf/`; the stats record `hf/all.stats.json` is written after the rename and marks it done.
 - Done is done: a second call returns the stats record (skipped) without looking at new token
   shards; one with another seed or fraction fails. Remove `hf/` to export again.
 - A token row whose key has no row in `selected/` (the shard was re-selected after it was
@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sdtrain.atomic import TMP_MARK, clean_temporaries
+from sdtrain.atomic import TMP_MARK, clean_temporaries, replace_dir
 from sdtrain.lazy import BUILD_LOCK
 from tasks.latents.tokenize import STAGE as TOKENS
 from tasks.latents.tokenize import clean_caption
@@ -120,7 +120,8 @@ def export_hf_dataset(
             stats.extra.update(
                 {**counts, "shards": len(shards), "seed": seed, "val_fraction": val_fraction}
             )
-            _replace_dir(out, final, source_dir)
+            # The old `hf/` (a run killed before its record) goes to `out`, removed with tmp.
+            replace_dir(out, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -166,13 +167,3 @@ def _write_split_streams(
         for w in writers.values():
             w.close()
     return counts
-
-
-def _replace_dir(new: Path, final: Path, parent: Path) -> None:
-    """Rename `new` to `final`; an existing `final` (a run killed before its stats record) is
-    first renamed aside, so `final` is always either absent or complete."""
-    if final.exists():
-        old = parent / f".{STAGE}.old{TMP_MARK}{os.getpid()}"
-        os.replace(final, old)
-        shutil.rmtree(old)
-    os.replace(new, final)
