@@ -94,7 +94,8 @@ def build_latents(
     """Fetch, filter, tokenize and encode one catalog source into `<root>/<source>/`.
 
     `hf_dataset`: also export the tokens as a Hugging Face `datasets` DatasetDict
-    {train, validation} (seeded 1% split) under `<root>/<source>/hf/`.
+    {train, validation} (seeded 1% split) under `<root>/<source>/hf/`, exported again when
+    its token shards change.
     `workers`: the node's worker budget (default `SDPIPE_WORKERS`, else the cores); each
     stage's concurrency derives from it, score and encode from the node's devices.
     `cluster`: a Ray cluster's address (default `RAY_ADDRESS`; none: this node): every
@@ -349,8 +350,16 @@ def _export_hf(run: _Run) -> None:
     if run.failures:
         get_run_logger().error("%s needs every shard before it: not run", DISPLAY["hf"])
         return
-    hf = run.stage("hf", limit=1)
-    hf.add("all", functools.partial(hf_export.export_hf_dataset, run.root, run.name))
+    # Keyed and checked by the token shards there now: a shard tokenized again (a re-selection)
+    # or added is a cache miss and an export again, never the old export's "done".
+    digest = hf_export.inputs_digest(hf_export.token_inputs(run.root, run.name))
+    hf = run.stage(
+        "hf",
+        limit=1,
+        inputs={shards.WHOLE_STAGE: digest},
+        done=lambda _: hf_export.export_done(run.root, run.name),
+    )
+    hf.add(shards.WHOLE_STAGE, functools.partial(hf_export.export_hf_dataset, run.root, run.name))
     hf.seal()
 
 

@@ -11,11 +11,18 @@ Design choices:
 - One unit of work (stage `hf`, shard `all`): every done token shard is read, one at a time,
   into an Arrow stream file per split, so memory holds one shard, not the source; the
   memory-mapped splits are then saved by `save_to_disk` into a hidden temporary folder under
-  `<root>/<source>/` and renamed to `hf/`. A killed run leaves only the hidden folder (removed
-  by the next run), never a half-written `hf/`; the stats record `hf/all.stats.json` is
-  written after the rename and marks the export done.
-- Done is done: a second call returns the stats record (skipped) without looking at new token
-  shards; one with another seed or fraction fails. Remove `hf/` to export again.
+  `<root>/<source>/` and exchanged with `hf/` in one rename. A killed run leaves only the
+  hidden folder (removed by the next run) beside the `hf/` there before, never a half-written
+  `hf/`; the stats record `hf/all.stats.json` is written after the rename and marks it done.
+- Done while its inputs stand: the record keeps a digest of the done token shards, each by
+  its tokens parquet's size and mtime_ns (one stat per shard, no token file read; a shard
+  tokenized again is a new file renamed into place, as encode's keys files tell it too). A
+  call whose digest differs (a shard added, gone or tokenized again) removes the record and
+  exports again; the old `hf/` stays loadable until the new one replaces it. `selected/` is
+  not in the digest: a re-selection that changes a shard's rows removes its tokens record
+  first (tasks/curation/selection.py), so a done token shard's captions are those it was made
+  of. A call with another seed or fraction fails instead (it would move keys between splits
+  that a model may have trained or been evaluated on): remove `hf/` to split it again.
 - A token row whose key has no row in `selected/` (the shard was re-selected after it was
   tokenized) is dropped as `missing_caption`.
 """
@@ -23,6 +30,8 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -31,14 +40,22 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sdtrain.atomic import TMP_MARK, clean_temporaries
+from sdtrain.atomic import TMP_MARK, clean_temporaries, replace_dir
 from sdtrain.lazy import BUILD_LOCK
 from tasks.latents.tokenize import STAGE as TOKENS
 from tasks.latents.tokenize import clean_caption
-from tasks.runtime.shards import ShardStats, run_shard, stage_dir
+from tasks.runtime.shards import (
+    WHOLE_STAGE,
+    ShardStats,
+    done_record,
+    run_shard,
+    stage_dir,
+    stats_path,
+)
 
 STAGE = "hf"
 SPLITS = ("train", "validation")
+log = logging.getLogger(__name__)
 
 
 def in_validation(keys: list[str], seed: int, val_fraction: float) -> np.ndarray:
@@ -55,11 +72,30 @@ def in_validation(keys: list[str], seed: int, val_fraction: float) -> np.ndarray
     )
 
 
-def done_token_shards(root: Path, source: str) -> list[str]:
-    """Token shards with a stats record (their parquet is complete), in shard order."""
+def token_inputs(root: Path, source: str) -> dict[str, tuple[int, int]]:
+    """Done token shards (a stats record, and its parquet there), in shard order: each
+    parquet's (size, mtime_ns)."""
     d = stage_dir(root, source, TOKENS)
-    names = sorted(p.name.removesuffix(".stats.json") for p in d.glob("*.stats.json"))
-    return [n for n in names if (d / f"{n}.parquet").exists()]
+    inputs = {}
+    for name in sorted(p.name.removesuffix(".stats.json") for p in d.glob("*.stats.json")):
+        try:
+            st = (d / f"{name}.parquet").stat()
+        except FileNotFoundError:
+            continue
+        inputs[name] = (st.st_size, st.st_mtime_ns)
+    return inputs
+
+
+def inputs_digest(inputs: dict[str, tuple[int, int]]) -> str:
+    return hashlib.blake2b(json.dumps(sorted(inputs.items())).encode(), digest_size=16).hexdigest()
+
+
+def export_done(root: Path, source: str) -> bool:
+    """The export is done (record there, outputs intact) and made from the token shards there
+    now: the flow's check before it trusts a cached "done"."""
+    record = done_record(root, source, STAGE, WHOLE_STAGE)
+    digest = inputs_digest(token_inputs(root, source))
+    return record is not None and record.extra.get("inputs") == digest
 
 
 def _shard_rows(root: Path, source: str, shard: str, stats: ShardStats) -> pa.Table:
@@ -100,13 +136,34 @@ def export_hf_dataset(
         raise ValueError(f"val_fraction must be within [0, 1], got {val_fraction}")
     source_dir = root / source
     final = stage_dir(root, source, STAGE)
+    # Taken before any shard is read: a shard rewritten while the export reads it leaves a
+    # digest that no longer matches, so the next call exports again.
+    inputs = token_inputs(root, source)
+    digest = inputs_digest(inputs)
+    if (record := done_record(root, source, STAGE, WHOLE_STAGE)) is not None:
+        asked = {"seed": seed, "val_fraction": val_fraction}
+        made = {k: record.extra.get(k) for k in asked}
+        if made != asked:
+            raise ValueError(
+                f"{final} was exported with {made}, not {asked}: remove it to export again"
+            )
+        if record.extra.get("inputs") != digest:
+            log.warning(
+                "hf-export %s: %s was not exported from the token shards there now (%d shards "
+                "then, %d now): exporting again",
+                source,
+                final,
+                record.extra.get("shards", 0),
+                len(inputs),
+            )
+            stats_path(root, source, STAGE, WHOLE_STAGE).unlink()
 
     def work(stats: ShardStats) -> None:
         clean_temporaries(source_dir, f"{STAGE}.")
         tmp = source_dir / f".{STAGE}.work{TMP_MARK}{os.getpid()}"
         tmp.mkdir(parents=True)
         try:
-            shards = done_token_shards(root, source)
+            shards = list(inputs)
             counts = _write_split_streams(root, source, shards, tmp, stats, seed, val_fraction)
             splits = datasets.DatasetDict(
                 {s: datasets.Dataset.from_file(str(tmp / f"{s}.arrow")) for s in SPLITS}
@@ -118,20 +175,20 @@ def export_hf_dataset(
             del splits  # the memory-mapped split files are removed with tmp
             stats.num_out = sum(counts.values())
             stats.extra.update(
-                {**counts, "shards": len(shards), "seed": seed, "val_fraction": val_fraction}
+                {
+                    **counts,
+                    "shards": len(shards),
+                    "seed": seed,
+                    "val_fraction": val_fraction,
+                    "inputs": digest,
+                }
             )
-            _replace_dir(out, final, source_dir)
+            # The old `hf/` (outdated, or a killed run's: no record) goes to `out`, then away.
+            replace_dir(out, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    stats = run_shard(root, source, STAGE, "all", work)
-    asked = {"seed": seed, "val_fraction": val_fraction}
-    made = {k: stats.extra.get(k) for k in asked}
-    if made != asked:
-        raise ValueError(
-            f"{final} was exported with {made}, not {asked}: remove it to export again"
-        )
-    return stats
+    return run_shard(root, source, STAGE, WHOLE_STAGE, work)
 
 
 def _write_split_streams(
@@ -166,13 +223,3 @@ def _write_split_streams(
         for w in writers.values():
             w.close()
     return counts
-
-
-def _replace_dir(new: Path, final: Path, parent: Path) -> None:
-    """Rename `new` to `final`; an existing `final` (a run killed before its stats record) is
-    first renamed aside, so `final` is always either absent or complete."""
-    if final.exists():
-        old = parent / f".{STAGE}.old{TMP_MARK}{os.getpid()}"
-        os.replace(final, old)
-        shutil.rmtree(old)
-    os.replace(new, final)

@@ -10,12 +10,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tasks.curation.selection import write_shards
 from tasks.latents import hf_export
-from tasks.latents.hf_export import export_hf_dataset, in_validation
+from tasks.latents.hf_export import export_done, export_hf_dataset, in_validation
 from tasks.latents.tokenize import tokenize_shard
 from tasks.runtime.shards import ShardStats
 
 SHARD_ROWS = {"00000": 120, "00001": 90, "00002": 0}
+SELECTED = pa.schema({"key": pa.string(), "caption": pa.string()})
 
 
 def write_source(root, source: str = "src") -> dict[str, str]:
@@ -26,7 +28,7 @@ def write_source(root, source: str = "src") -> dict[str, str]:
         captions = [f"  photo {i} of shard {shard} 🐱 " if i % 17 else "   " for i in range(n)]
         (root / source / "selected").mkdir(parents=True, exist_ok=True)
         pq.write_table(
-            pa.table({"key": pa.array(keys, pa.string()), "caption": pa.array(captions)}),
+            pa.table({"key": keys, "caption": captions}, schema=SELECTED),
             root / source / "selected" / f"{shard}.parquet",
         )
         tokenize_shard(root, source, shard)
@@ -150,3 +152,104 @@ def test_bad_fraction_is_refused(tmp_path):
     with pytest.raises(ValueError, match="val_fraction"):
         export_hf_dataset(tmp_path, "src", val_fraction=1.5)
     assert hf_export.STAGE == "hf"
+
+
+def reselect(root, changed: dict[str, list[str]]) -> None:
+    """filter-pixels runs again and keeps, of each shard in `changed`, those keys (their tokens
+    record forgotten, as a re-selection does), which are tokenized again; the other shards keep
+    their rows."""
+    selected = root / "src" / "selected"
+    paths = [root / "src" / "shards" / f"{s}.parquet" for s in sorted(SHARD_ROWS)]
+    tables = []
+    for p in paths:
+        table = pq.read_table(selected / p.name)
+        if (keys := changed.get(p.stem)) is not None:
+            captions = [f"new photo {k}" for k in keys]
+            table = pa.table({"key": keys, "caption": captions}, schema=SELECTED)
+        tables.append(
+            table.append_column("filename", pa.array([str(p)] * table.num_rows, pa.string()))
+        )
+    assert write_shards(root, "src", pa.concat_tables(tables), paths) == len(changed)
+    for shard in changed:
+        tokenize_shard(root, "src", shard)
+
+
+def exported(root) -> dict[str, dict]:
+    dd = datasets.load_from_disk(str(root / "src" / "hf"))
+    return {r["key"]: r for split in dd.values() for r in split}
+
+
+def test_a_shard_tokenized_again_is_exported_again(tmp_path):
+    kept = write_source(tmp_path)
+    export_hf_dataset(tmp_path, "src", val_fraction=0.2, seed=3)
+    assert export_done(tmp_path, "src")
+    # A re-score keeps other rows of 00001: some dropped, some new.
+    keys = [f"00001-{i:04d}" for i in range(30, 90)] + ["00001-0100", "00001-0101"]
+    reselect(tmp_path, {"00001": keys})
+    assert not export_done(tmp_path, "src")  # what the flow asks before it trusts its cache
+
+    stats = export_hf_dataset(tmp_path, "src", val_fraction=0.2, seed=3)
+    assert not stats.skipped
+    rows = exported(tmp_path)
+    assert {k for k in rows if k.startswith("00001-")} == set(keys)
+    assert rows["00001-0100"]["caption"] == "new photo 00001-0100"
+    others = {k for k in kept if not k.startswith("00001-")}
+    assert {k for k in rows if not k.startswith("00001-")} == others
+    assert stats.num_out == len(others) + len(keys)
+    assert export_done(tmp_path, "src")
+
+
+def test_a_new_token_shard_is_exported_and_old_keys_keep_their_split(tmp_path):
+    kept = write_source(tmp_path)
+    export_hf_dataset(tmp_path, "src", val_fraction=0.3, seed=1)
+    before = set(datasets.load_from_disk(str(tmp_path / "src" / "hf"))["validation"]["key"])
+    keys = [f"00003-{i:04d}" for i in range(40)]
+    pq.write_table(
+        pa.table({"key": keys, "caption": [f"photo {k}" for k in keys]}, schema=SELECTED),
+        tmp_path / "src" / "selected" / "00003.parquet",
+    )
+    tokenize_shard(tmp_path, "src", "00003")
+
+    stats = export_hf_dataset(tmp_path, "src", val_fraction=0.3, seed=1)
+    assert not stats.skipped
+    assert stats.extra["shards"] == 4
+    assert set(exported(tmp_path)) == set(kept) | set(keys)
+    after = set(datasets.load_from_disk(str(tmp_path / "src" / "hf"))["validation"]["key"])
+    assert after - set(keys) == before
+
+
+def test_unchanged_tokens_are_not_exported_again(tmp_path):
+    write_source(tmp_path)
+    export_hf_dataset(tmp_path, "src")
+    hf = tmp_path / "src" / "hf"
+    files = {p: p.stat().st_mtime_ns for p in hf.rglob("*") if p.is_file()}
+    # filter-pixels run again, keeping the same rows: it rewrites every selection file, but
+    # no shard is tokenized again.
+    reselect(tmp_path, {})
+    assert export_done(tmp_path, "src")
+    assert export_hf_dataset(tmp_path, "src").skipped
+    assert {p: p.stat().st_mtime_ns for p in hf.rglob("*") if p.is_file()} == files
+
+
+def test_a_killed_export_again_leaves_the_previous_export(tmp_path, monkeypatch):
+    kept = write_source(tmp_path)
+    export_hf_dataset(tmp_path, "src")
+    reselect(tmp_path, {"00001": [f"00001-{i:04d}" for i in range(1, 10)]})
+    read_rows = hf_export._shard_rows
+
+    def die_on_00001(root, source, shard, stats):
+        if shard == "00001":
+            raise KeyboardInterrupt  # a kill midway through the split files
+        return read_rows(root, source, shard, stats)
+
+    monkeypatch.setattr(hf_export, "_shard_rows", die_on_00001)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf_dataset(tmp_path, "src")
+    monkeypatch.undo()
+    # The previous export, whole, and not taken for a current one.
+    assert set(exported(tmp_path)) == set(kept)
+    assert not export_done(tmp_path, "src")
+    assert not export_hf_dataset(tmp_path, "src").skipped
+    assert {k for k in exported(tmp_path) if k.startswith("00001-")} == {
+        f"00001-{i:04d}" for i in range(1, 10)
+    }
