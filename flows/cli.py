@@ -357,21 +357,14 @@ def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_summary(args: argparse.Namespace) -> None:
-    from flows.build_latents import source_summary
-    from flows.stages import DISPLAY
+    from flows.build_latents import format_source_summary
 
     root = data_root(args.data_root)
     sources = args.sources or sorted(
         p.name for p in root.iterdir() if p.is_dir() and (p / "metadata").is_dir()
     )
     for source in sources:
-        print(f"{source}:")
-        for stage, s in source_summary(root, source).items():
-            reasons = ", ".join(f"{r}={n}" for r, n in s["dropped"].items()) or "-"
-            print(
-                f"  {DISPLAY[stage]:<14} shards={s['num_shards']:<4} in={s['num_in']:<8} "
-                f"out={s['num_out']:<8} dropped: {reasons}"
-            )
+        print(format_source_summary(root, source))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
