@@ -34,7 +34,12 @@ from catalog import Catalog, CatalogError, Phase, load_catalog
 from flows import evaluate, pools, train_pictures
 from flows.credentials import export_secrets
 from tasks.phases import mix, plan
-from tasks.phases.train import TrainingFailed, launch_training, train_config_for_phase
+from tasks.phases.train import (
+    TrainingFailed,
+    launch_training,
+    on_nodes,
+    train_config_for_phase,
+)
 from tasks.runtime import shards
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+) loss=([0-9.eE+-]+).*? samples/s=([0-9.]+)")
@@ -113,11 +118,6 @@ def training_slot() -> Iterator[None]:
     get_run_logger().info(f"waiting for the GPU pool {training_slot_name()!r}")
     with pools.gpu_slot(occupy=max(1, pools.local_gpus())):
         yield
-
-
-def on_nodes(nodes: int, cluster: str) -> bool:
-    """Whether a training goes through the Ray cluster: more than one node, or a cluster named."""
-    return nodes > 1 or bool(cluster)
 
 
 @task(name="train", task_run_name="train-{phase.name}")
