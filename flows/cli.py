@@ -124,12 +124,16 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    import json
+
     from tasks.phases import plan
 
     catalog = load_catalog()
-    phase = catalog.phase(args.phase)
-    report = plan.plan_phase(data_root(args.data_root), catalog, phase, world_size=args.ranks)
-    print(plan.format_plan(report))
+    report = plan.plan_phase(
+        data_root(args.data_root), catalog, catalog.phase(args.phase), nodes=args.nodes,
+        cluster=args.cluster, ranks_per_node=args.ranks,
+    )  # fmt: skip
+    print(json.dumps(report, indent=1) if args.json else plan.format_plan(report))
 
 
 def _report(state) -> int:
@@ -498,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
         "steps, disk, ETA (fails, as the phase would, where a dataset is short)",
     )
     p.add_argument("phase", help="phase-N, N, or demo")
-    p.add_argument("--ranks", type=int, help="ranks to plan for (default: GPUs here, or 2)")
+    p.add_argument("--ranks", type=int, help="ranks per node (default: as the training counts)")
+    _add_nodes_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("summary", help="samples per stage and drop reason, from the data root")
     p.add_argument("sources", nargs="*")
