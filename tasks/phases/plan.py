@@ -6,7 +6,8 @@ over the per-rank batches that remain after the validation hold-out), for the ra
 training will start: its nodes x the ranks per node (`training_ranks`: on one node
 `launch_training`'s, on more train_nodes' from the Ray cluster, or assumed like this machine).
 The ETA divides the samples to train by the samples/s last measured on this data root for the
-same model (a run's summary), so it is "unknown" until one run has finished.
+same model (a run's summary; on the Ray cluster scaled linearly from that run's ranks to the
+plan's), so it is "unknown" until one run has finished.
 
 Bucket occupancy: the buckets of the rows the mix would draw (each drawn row's bucket, from the
 encoded shards' keys files; a legacy shard is the one square of its latents), less the
@@ -116,20 +117,24 @@ def _local_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def measured_samples_per_s(root: Path, model: str) -> tuple[float, str] | None:
-    """(samples/s, run) of the newest finished run of `model` under this data root."""
+def measured_samples_per_s(root: Path, model: str) -> tuple[float, str, int | None] | None:
+    """(samples/s, run, its ranks: None where its summary predates them) of the newest
+    finished run of `model` under this data root."""
     found = []
     for summary in (root / "runs").glob("*/summary.json"):
         config = summary.parent / "config.json"
         if not config.is_file() or json.loads(config.read_text()).get("model") != model:
             continue
-        rate = json.loads(summary.read_text()).get("samples_per_s") or 0.0
+        record = json.loads(summary.read_text())
+        rate = record.get("samples_per_s") or 0.0
         if rate > 0:
-            found.append((summary.stat().st_mtime, rate, summary.parent.name))
+            found.append(
+                (summary.stat().st_mtime, rate, summary.parent.name, record.get("world_size"))
+            )
     if not found:
         return None
-    _, rate, run = max(found)
-    return rate, run
+    _, rate, run, world_size = max(found)
+    return rate, run, world_size
 
 
 def plan_phase(
@@ -194,6 +199,11 @@ def plan_phase(
             b["full_batches"] = b["last_batch"] = b["leftover_per_epoch"] = None
             b["batches_per_rank"] = batches_per_rank
     measured = measured_samples_per_s(root, phase.model)
+    rate = measured[0] if measured else None
+    if measured and measured[2] and ranks.through_ray:
+        # The run's rate was of its ranks; DDP over nodes is not measured: linear scaling
+        # assumed. (One node here keeps the rate as measured, the plan as it was.)
+        rate = measured[0] * world_size / measured[2]
     samples_to_train = steps * global_batch
     return {
         "phase": phase.name,
@@ -222,9 +232,11 @@ def plan_phase(
         "leftover_per_epoch": sum(b["leftover_per_epoch"] or 0 for b in buckets),
         "latents_gb": round(latent_bytes / 1e9, 3),
         "tokens_gb": round(num_samples * TOKEN_BYTES / 1e9, 3),
-        "samples_per_s": measured[0] if measured else None,
+        "samples_per_s": rate,
         "measured_on": measured[1] if measured else None,
-        "eta_s": round(samples_to_train / measured[0]) if measured else None,
+        "measured_samples_per_s": measured[0] if measured else None,
+        "measured_world_size": measured[2] if measured else None,
+        "eta_s": round(samples_to_train / rate) if measured else None,
     }
 
 
@@ -298,12 +310,6 @@ def format_plan(plan: dict) -> str:
         lines.append(
             f"{d['dataset']:<20}{d['requested']:>12}{d['available']:>12}{d['taken']:>12}{mark}"
         )
-    eta = (
-        f"{_duration(plan['eta_s'])} at {plan['samples_per_s']:.1f} samples/s "
-        f"(measured by {plan['measured_on']})"
-        if plan["eta_s"] is not None
-        else "unknown (no finished run of this model on this data root yet)"
-    )
     lines += [
         f"samples: {plan['num_samples']} ({plan['num_val_samples']} held out for validation)",
         f"steps: {plan['steps']} ({plan['epochs']} epochs, global batch {plan['global_batch']} "
@@ -319,9 +325,24 @@ def format_plan(plan: dict) -> str:
         *_format_buckets(plan),
         f"disk: {plan['latents_gb']} GB of latents + {plan['tokens_gb']} GB of tokens "
         "(in the sources' folders; the phase set links to them)",
-        f"ETA: {eta}",
+        f"ETA: {_format_eta(plan)}",
     ]
     return "\n".join(lines)
+
+
+def _format_eta(plan: dict) -> str:
+    if plan["eta_s"] is None:
+        return "unknown (no finished run of this model on this data root yet)"
+    scaled = (
+        f" on {plan['measured_world_size']} ranks at {plan['measured_samples_per_s']:.1f} "
+        f"samples/s, scaled linearly to {plan['world_size']}"
+        if plan["samples_per_s"] != plan["measured_samples_per_s"]
+        else ""
+    )
+    return (
+        f"{_duration(plan['eta_s'])} at {plan['samples_per_s']:.1f} samples/s "
+        f"(measured by {plan['measured_on']}{scaled})"
+    )
 
 
 def _format_buckets(plan: dict) -> list[str]:
