@@ -79,6 +79,18 @@ def source_summary(root: Path, source: str) -> dict[str, dict]:
     }
 
 
+def format_source_summary(root: Path, source: str) -> str:
+    """`sdpipe summary`'s lines of one source: a stage a line, its drops by reason."""
+    lines = [f"{source}:"]
+    for stage, s in source_summary(root, source).items():
+        reasons = ", ".join(f"{r}={n}" for r, n in s["dropped"].items()) or "-"
+        lines.append(
+            f"  {DISPLAY[stage]:<14} shards={s['num_shards']:<4} in={s['num_in']:<8} "
+            f"out={s['num_out']:<8} dropped: {reasons}"
+        )
+    return "\n".join(lines)
+
+
 @flow(
     name="build-latents",
     task_runner=ThreadPoolTaskRunner(max_workers=TASK_THREADS),

@@ -124,12 +124,16 @@ def cmd_curriculum(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
+    import json
+
     from tasks.phases import plan
 
     catalog = load_catalog()
-    phase = catalog.phase(args.phase)
-    report = plan.plan_phase(data_root(args.data_root), catalog, phase, world_size=args.ranks)
-    print(plan.format_plan(report))
+    report = plan.plan_phase(
+        data_root(args.data_root), catalog, catalog.phase(args.phase), nodes=args.nodes,
+        cluster=args.cluster, ranks_per_node=args.ranks,
+    )  # fmt: skip
+    print(json.dumps(report, indent=1) if args.json else plan.format_plan(report))
 
 
 def _report(state) -> int:
@@ -357,21 +361,14 @@ def _add_weights_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_summary(args: argparse.Namespace) -> None:
-    from flows.build_latents import source_summary
-    from flows.stages import DISPLAY
+    from flows.build_latents import format_source_summary
 
     root = data_root(args.data_root)
     sources = args.sources or sorted(
         p.name for p in root.iterdir() if p.is_dir() and (p / "metadata").is_dir()
     )
     for source in sources:
-        print(f"{source}:")
-        for stage, s in source_summary(root, source).items():
-            reasons = ", ".join(f"{r}={n}" for r, n in s["dropped"].items()) or "-"
-            print(
-                f"  {DISPLAY[stage]:<14} shards={s['num_shards']:<4} in={s['num_in']:<8} "
-                f"out={s['num_out']:<8} dropped: {reasons}"
-            )
+        print(format_source_summary(root, source))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -505,7 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
         "steps, disk, ETA (fails, as the phase would, where a dataset is short)",
     )
     p.add_argument("phase", help="phase-N, N, or demo")
-    p.add_argument("--ranks", type=int, help="ranks to plan for (default: GPUs here, or 2)")
+    p.add_argument("--ranks", type=int, help="ranks per node (default: as the training counts)")
+    _add_nodes_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
     p = sub.add_parser("summary", help="samples per stage and drop reason, from the data root")
     p.add_argument("sources", nargs="*")

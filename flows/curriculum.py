@@ -1,9 +1,10 @@
 """curriculum: one phase = plan -> mix (its seeded set of datasets) -> train (torchrun DDP).
 
-The plan (requested vs available per dataset, steps, disk, ETA) is published first and a phase
-short of data fails there, before any training. While the phase's run has checkpoints, its
-phase set is reused, so a resume trains on the rows it started on. Phase N starts from phase
-N-1's final weights and the flow refuses to start before they exist. After training, the phase is
+The plan (requested vs available per dataset, steps, disk, ETA), for the nodes and ranks the
+training will start, is published first and a phase short of data fails there, before any
+training. While the phase's run has checkpoints, its phase set is reused, so a resume trains on
+the rows it started on. Phase N starts from phase N-1's final weights and the flow refuses to
+start before they exist. After training, the phase is
 evaluated on its eval set (flows/evaluate.py), whose networks are checked before training starts.
 Trainer lines stream into the logs and a progress artifact. A training holds the slots of its
 node's GPU pool (flows/pools.py: the global concurrency limit `sdpipe-gpu-<pool>`) for every
@@ -34,7 +35,12 @@ from catalog import Catalog, CatalogError, Phase, load_catalog
 from flows import evaluate, pools, train_pictures
 from flows.credentials import export_secrets
 from tasks.phases import mix, plan
-from tasks.phases.train import TrainingFailed, launch_training, train_config_for_phase
+from tasks.phases.train import (
+    TrainingFailed,
+    launch_training,
+    on_nodes,
+    train_config_for_phase,
+)
 from tasks.runtime import shards
 
 STEP_LINE = re.compile(r"step (\d+)/(\d+) loss=([0-9.eE+-]+).*? samples/s=([0-9.]+)")
@@ -62,8 +68,11 @@ def preflight(phase_name: str, root: Path) -> tuple[Catalog, Phase, str]:
 
 
 @task(name="plan", task_run_name="plan-{phase.name}")
-def plan_task(root: Path, catalog: Catalog, phase: Phase) -> dict:
-    report = plan.plan_phase(root, catalog, phase)
+def plan_task(
+    root: Path, catalog: Catalog, phase: Phase, nodes: int = 0, cluster: str = ""
+) -> dict:
+    """The phase's plan for the ranks `train_task` starts with the same `nodes` and `cluster`."""
+    report = plan.plan_phase(root, catalog, phase, nodes=nodes, cluster=cluster)
     get_run_logger().info(plan.format_plan(report))
     create_markdown_artifact(
         "\n".join(["```", plan.format_plan(report), "```"]),
@@ -113,11 +122,6 @@ def training_slot() -> Iterator[None]:
     get_run_logger().info(f"waiting for the GPU pool {training_slot_name()!r}")
     with pools.gpu_slot(occupy=max(1, pools.local_gpus())):
         yield
-
-
-def on_nodes(nodes: int, cluster: str) -> bool:
-    """Whether a training goes through the Ray cluster: more than one node, or a cluster named."""
-    return nodes > 1 or bool(cluster)
 
 
 @task(name="train", task_run_name="train-{phase.name}")
@@ -197,7 +201,8 @@ def curriculum(
     A rerun after a failure or cancellation resumes the training from its latest checkpoint;
     `wandb_project` also logs the training to Weights & Biases (needs `pip install wandb`).
     `nodes` (0: the phase's) trains on that many nodes of the Ray cluster at `cluster` (else
-    RAY_ADDRESS), every GPU of each; 1 without a cluster trains here.
+    RAY_ADDRESS), every GPU of each, and the plan counts their ranks; 1 without a cluster
+    trains here.
     """
     logger = get_run_logger()
     root = shards.data_root(data_root)
@@ -205,7 +210,7 @@ def curriculum(
     try:
         catalog, spec, init_from = preflight(phase, root)
         if not mix.run_has_checkpoints(root, spec.name):  # a resume keeps its phase set
-            plan_task(root, catalog, spec)
+            plan_task(root, catalog, spec, nodes, cluster)
         report = mix_task(root, catalog, spec)
         summary = train_task(root, spec, init_from, wandb_project, nodes, cluster)
         scores = evaluate.eval_task(root, spec.name) if spec.eval_set else None

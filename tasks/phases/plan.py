@@ -2,10 +2,12 @@
 optimizer steps, the disk its latents use and an ETA.
 
 The steps are counted as the trainer counts them (`sdtrain.schedules.total_optimizer_steps`
-over the per-rank batches that remain after the validation hold-out), for the ranks
-`launch_training` would start here; the ETA divides the samples to train by the samples/s last
-measured on this data root for the same model (a run's summary), so it is "unknown" until one
-run has finished.
+over the per-rank batches that remain after the validation hold-out), for the ranks the
+training will start: its nodes x the ranks per node (`training_ranks`: on one node
+`launch_training`'s, on more train_nodes' from the Ray cluster, or assumed like this machine).
+The ETA divides the samples to train by the samples/s last measured on this data root for the
+same model (a run's summary; on the Ray cluster scaled linearly from that run's ranks to the
+plan's), so it is "unknown" until one run has finished.
 
 Bucket occupancy: the buckets of the rows the mix would draw (each drawn row's bucket, from the
 encoded shards' keys files; a legacy shard is the one square of its latents), less the
@@ -18,6 +20,8 @@ validation hold-out, each with its global batches per epoch by the bucketed samp
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,38 +38,118 @@ from sdtrain.bucket_batches import (
 from sdtrain.config import run_config_for_phase
 from sdtrain.schedules import total_optimizer_steps
 from tasks.phases import mix
+from tasks.phases.train import TrainingFailed, on_nodes
 
 TOKEN_BYTES = 77 * 4  # int32 ids per sample
 
 
 def default_world_size() -> int:
     """The ranks launch_training starts on this machine: every GPU, or 2 CPU ranks."""
+    return _local_gpus() or 2
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Ranks:
+    """The ranks a training starts: `per_node` on each of `nodes`. `through_ray`: launched by
+    train_nodes on the Ray cluster; `basis`: where `per_node` comes from, as the plan says it."""
+
+    nodes: int
+    per_node: int
+    through_ray: bool
+    basis: str
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+
+def training_ranks(
+    phase: Phase, *, nodes: int = 0, cluster: str = "", per_node: int | None = None
+) -> Ranks:
+    """The ranks the curriculum's training of `phase` starts; `nodes` and `cluster` are the
+    flow's (0: the phase's nodes), `per_node` a what-if. On one node here: launch_training's
+    (every GPU, or 2 CPU ranks). Through the Ray cluster (more nodes, or a cluster named):
+    train_nodes' count, the GPUs every one of the nodes has (1 CPU rank without), asked of the
+    cluster at `cluster` or RAY_ADDRESS when one answers, else assumed to be this machine's."""
+    nodes = nodes or phase.nodes
+    through_ray = on_nodes(nodes, cluster)
+    if per_node:
+        return Ranks(nodes=nodes, per_node=per_node, through_ray=through_ray, basis="given")
+    if not through_ray:
+        gpus = _local_gpus()
+        basis = f"this machine: {gpus} GPUs" if gpus else "this machine: no GPU, 2 CPU ranks"
+        return Ranks(nodes=1, per_node=default_world_size(), through_ray=False, basis=basis)
+    address = cluster or os.environ.get("RAY_ADDRESS", "")
+    unknown = "name the Ray cluster (--cluster or RAY_ADDRESS) to count its GPUs"
+    if address:
+        try:
+            gpus = cluster_gpus_per_node(address, nodes)
+        except TrainingFailed as e:
+            unknown = f"the cluster did not tell: {e}"
+        else:
+            basis = f"counted on the Ray cluster at {address}: " + (
+                f"{gpus} GPUs on each of {nodes} nodes" if gpus else "no GPU, 1 CPU rank a node"
+            )
+            return Ranks(nodes=nodes, per_node=gpus or 1, through_ray=True, basis=basis)
+    gpus = _local_gpus()  # train_nodes' rule on nodes like this one: every GPU, or 1 CPU rank
+    like = f"{gpus} GPUs" if gpus else "no GPU, 1 CPU rank"
+    basis = f"assumed like this machine: {like}; {unknown}"
+    return Ranks(nodes=nodes, per_node=gpus or 1, through_ray=True, basis=basis)
+
+
+def cluster_gpus_per_node(address: str, nodes: int) -> int:
+    """The GPUs per node train_nodes would reserve on `nodes` nodes of the Ray cluster at
+    `address` (0: a CPU cluster), read from its live nodes without reserving them; raises
+    TrainingFailed where no cluster answers or it has fewer live nodes."""
+    from tasks.phases import train_nodes  # imports ray: only for a plan on a cluster
+
+    with train_nodes.connected(address, nodes):
+        if (alive := train_nodes.num_alive_nodes()) < nodes:
+            raise TrainingFailed(
+                f"the Ray cluster at {address} has {alive} live nodes, not {nodes}"
+            )
+        return train_nodes.gpus_per_node(nodes)
+
+
+def _local_gpus() -> int:
     import torch
 
-    return torch.cuda.device_count() or 2
+    return torch.cuda.device_count()
 
 
-def measured_samples_per_s(root: Path, model: str) -> tuple[float, str] | None:
-    """(samples/s, run) of the newest finished run of `model` under this data root."""
+def measured_samples_per_s(root: Path, model: str) -> tuple[float, str, int | None] | None:
+    """(samples/s, run, its ranks: None where its summary predates them) of the newest
+    finished run of `model` under this data root."""
     found = []
     for summary in (root / "runs").glob("*/summary.json"):
         config = summary.parent / "config.json"
         if not config.is_file() or json.loads(config.read_text()).get("model") != model:
             continue
-        rate = json.loads(summary.read_text()).get("samples_per_s") or 0.0
+        record = json.loads(summary.read_text())
+        rate = record.get("samples_per_s") or 0.0
         if rate > 0:
-            found.append((summary.stat().st_mtime, rate, summary.parent.name))
+            found.append(
+                (summary.stat().st_mtime, rate, summary.parent.name, record.get("world_size"))
+            )
     if not found:
         return None
-    _, rate, run = max(found)
-    return rate, run
+    _, rate, run, world_size = max(found)
+    return rate, run, world_size
 
 
 def plan_phase(
-    root: Path, catalog: Catalog, phase: Phase, *, world_size: int | None = None
+    root: Path,
+    catalog: Catalog,
+    phase: Phase,
+    *,
+    nodes: int = 0,
+    cluster: str = "",
+    ranks_per_node: int | None = None,
 ) -> dict:
-    """The phase's plan; raises MixError as the mix would (a short dataset, nothing encoded)."""
-    world_size = world_size or default_world_size()
+    """The phase's plan for the ranks its training starts (`training_ranks` of these
+    arguments); raises MixError as the mix would (a short dataset, nothing encoded)."""
+    ranks = training_ranks(phase, nodes=nodes, cluster=cluster, per_node=ranks_per_node)
+    world_size = ranks.world_size
     viewed = {e.dataset: mix.dataset_view(root, catalog, e.dataset) for e in phase.mix}
     datasets = mix.draw_counts(phase, {d: v.num_rows for d, v in viewed.items()})
     num_samples = sum(d["taken"] for d in datasets)
@@ -115,6 +199,11 @@ def plan_phase(
             b["full_batches"] = b["last_batch"] = b["leftover_per_epoch"] = None
             b["batches_per_rank"] = batches_per_rank
     measured = measured_samples_per_s(root, phase.model)
+    rate = measured[0] if measured else None
+    if measured and measured[2] and ranks.through_ray:
+        # The run's rate was of its ranks; DDP over nodes is not measured: linear scaling
+        # assumed. (One node here keeps the rate as measured, the plan as it was.)
+        rate = measured[0] * world_size / measured[2]
     samples_to_train = steps * global_batch
     return {
         "phase": phase.name,
@@ -122,6 +211,10 @@ def plan_phase(
         "num_samples": num_samples,
         "num_val_samples": min(config.num_val_samples, num_samples),
         "world_size": world_size,
+        "nodes": ranks.nodes,
+        "ranks_per_node": ranks.per_node,
+        "through_ray": ranks.through_ray,
+        "ranks_basis": ranks.basis,
         "global_batch": global_batch,
         "epochs": config.epochs,
         "steps": steps,
@@ -139,9 +232,11 @@ def plan_phase(
         "leftover_per_epoch": sum(b["leftover_per_epoch"] or 0 for b in buckets),
         "latents_gb": round(latent_bytes / 1e9, 3),
         "tokens_gb": round(num_samples * TOKEN_BYTES / 1e9, 3),
-        "samples_per_s": measured[0] if measured else None,
+        "samples_per_s": rate,
         "measured_on": measured[1] if measured else None,
-        "eta_s": round(samples_to_train / measured[0]) if measured else None,
+        "measured_samples_per_s": measured[0] if measured else None,
+        "measured_world_size": measured[2] if measured else None,
+        "eta_s": round(samples_to_train / rate) if measured else None,
     }
 
 
@@ -215,22 +310,39 @@ def format_plan(plan: dict) -> str:
         lines.append(
             f"{d['dataset']:<20}{d['requested']:>12}{d['available']:>12}{d['taken']:>12}{mark}"
         )
-    eta = (
-        f"{_duration(plan['eta_s'])} at {plan['samples_per_s']:.1f} samples/s "
-        f"(measured by {plan['measured_on']})"
-        if plan["eta_s"] is not None
-        else "unknown (no finished run of this model on this data root yet)"
-    )
     lines += [
         f"samples: {plan['num_samples']} ({plan['num_val_samples']} held out for validation)",
         f"steps: {plan['steps']} ({plan['epochs']} epochs, global batch {plan['global_batch']} "
         f"on {plan['world_size']} ranks)",
+        *(
+            [  # one node here: as before nodes existed
+                f"ranks: {plan['nodes']} nodes x {plan['ranks_per_node']} per node through "
+                f"the Ray cluster; per node {plan['ranks_basis']}"
+            ]
+            if plan["through_ray"]
+            else []
+        ),
         *_format_buckets(plan),
         f"disk: {plan['latents_gb']} GB of latents + {plan['tokens_gb']} GB of tokens "
         "(in the sources' folders; the phase set links to them)",
-        f"ETA: {eta}",
+        f"ETA: {_format_eta(plan)}",
     ]
     return "\n".join(lines)
+
+
+def _format_eta(plan: dict) -> str:
+    if plan["eta_s"] is None:
+        return "unknown (no finished run of this model on this data root yet)"
+    scaled = (
+        f" on {plan['measured_world_size']} ranks at {plan['measured_samples_per_s']:.1f} "
+        f"samples/s, scaled linearly to {plan['world_size']}"
+        if plan["samples_per_s"] != plan["measured_samples_per_s"]
+        else ""
+    )
+    return (
+        f"{_duration(plan['eta_s'])} at {plan['samples_per_s']:.1f} samples/s "
+        f"(measured by {plan['measured_on']}{scaled})"
+    )
 
 
 def _format_buckets(plan: dict) -> list[str]:

@@ -42,6 +42,12 @@ def without_node(line: str) -> str:
     return NODE_PREFIX.sub("", line, count=1)
 
 
+def on_nodes(nodes: int, cluster: str) -> bool:
+    """Whether a training goes through the Ray cluster (`launch_training_on_nodes`): more than
+    one node, or a cluster named."""
+    return nodes > 1 or bool(cluster)
+
+
 def train_config_for_phase(
     phase: Phase, *, phase_dir: str | Path, run_dir: str | Path, init_from: str | Path = ""
 ) -> TrainConfig:

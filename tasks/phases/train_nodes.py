@@ -240,6 +240,11 @@ def gpus_per_node(nodes: int) -> int:
     return counts[nodes - 1] if len(counts) >= nodes else 0
 
 
+def num_alive_nodes() -> int:
+    """The cluster's live nodes (fewer than a training asks for: `gpus_per_node` says 0)."""
+    return sum(1 for n in ray.nodes() if n["Alive"])
+
+
 @contextlib.contextmanager
 def reserved(nodes: int, timeout_s: float) -> Iterator[tuple[PlacementGroup, int]]:
     """(placement group, GPUs of each bundle): `nodes` distinct nodes, each with a CPU and its

@@ -138,7 +138,7 @@ def test_a_run_with_checkpoints_keeps_its_phase_set(tmp_path, views):
 def test_plan_counts_steps_disk_and_eta_as_the_trainer_will(tmp_path, views):
     p = phase(MixEntry(dataset="a", count=50), MixEntry(dataset="b", count=60))
     cat = catalog(tmp_path, p1=p)
-    report = plan.plan_phase(tmp_path, cat, p, world_size=2)
+    report = plan.plan_phase(tmp_path, cat, p, ranks_per_node=2)
     # 110 samples, 10 held out: 100 / 2 ranks = 50 per rank = 12 batches of 4, x 2 epochs.
     assert (report["num_samples"], report["steps"], report["global_batch"]) == (110, 24, 8)
     assert report["latents_gb"] == pytest.approx(110 * 4 * 64 * 64 * 2 / 1e9, abs=1e-3)
@@ -147,7 +147,7 @@ def test_plan_counts_steps_disk_and_eta_as_the_trainer_will(tmp_path, views):
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"model": "m"}))
     (run / "summary.json").write_text(json.dumps({"samples_per_s": 16.0}))
-    report = plan.plan_phase(tmp_path, cat, p, world_size=2)
+    report = plan.plan_phase(tmp_path, cat, p, ranks_per_node=2)
     assert report["eta_s"] == 24 * 8 / 16.0 and report["measured_on"] == "p0"
     text = plan.format_plan(report)
     assert "steps: 24" in text and "ETA: 0 min 12 s at 16.0 samples/s" in text

@@ -278,7 +278,7 @@ def test_plan_shows_bucket_occupancy_per_rank_and_the_small_buckets(tmp_path, mo
     keys = bucketed_source(tmp_path, "a", {"00000": buckets[:25], "00001": buckets[25:]})
     plant_views(monkeypatch, {"a": every_key(keys)})
     p = phase(MixEntry(dataset="a", count=45), num_val_samples=0, epochs=2)
-    report = plan.plan_phase(tmp_path, catalog(tmp_path, p1=p), p, world_size=2)
+    report = plan.plan_phase(tmp_path, catalog(tmp_path, p1=p), p, ranks_per_node=2)
     occupancy = {b["bucket"]: b for b in report["buckets"]}
     assert {b: o["rows"] for b, o in occupancy.items()} == {
         "16x16": 20, "16x24": 11, "24x16": 5, "16x32": 9,
@@ -311,7 +311,7 @@ def test_plan_counts_the_rows_that_sit_each_epoch_out(tmp_path, monkeypatch):
     keys = bucketed_source(tmp_path, "a", {"00000": buckets[:25], "00001": buckets[25:]})
     plant_views(monkeypatch, {"a": every_key(keys)})
     p = phase(MixEntry(dataset="a", count=45), num_val_samples=0, epochs=2)
-    report = plan.plan_phase(tmp_path, catalog(tmp_path, p1=p), p, world_size=2)
+    report = plan.plan_phase(tmp_path, catalog(tmp_path, p1=p), p, ranks_per_node=2)
     occupancy = {b["bucket"]: b["leftover_per_epoch"] for b in report["buckets"]}
     assert occupancy == {"16x16": 0, "16x24": 0, "24x16": 0, "16x32": 1}  # 9 = 8 + 1
     assert report["leftover_per_epoch"] == 1
@@ -330,7 +330,7 @@ def test_plan_counts_the_buckets_the_mix_then_draws(bucketed_root):
     root = bucketed_root
     p = phase(MixEntry(dataset="b", count=21), MixEntry(dataset="a", count=37), seed=6)
     cat = catalog(root, p1=p)
-    report = plan.plan_phase(root, cat, p, world_size=2)
+    report = plan.plan_phase(root, cat, p, ranks_per_node=2)
     mix.build_phase_set(root, cat, p)
     train, _ = split_rows(58, 10, p.seed)
     counts = layout.bucket_counts(root / "phases" / "p1", train)
@@ -343,13 +343,13 @@ def test_plan_counts_the_buckets_the_mix_then_draws(bucketed_root):
 def test_plan_of_one_square_bucket_counts_as_the_plain_sampler(bucketed_root):
     root = bucketed_root
     p = phase(MixEntry(dataset="b", count=26))  # 26 - 10 held out = 16 / 2 ranks / 4 = 2
-    report = plan.plan_phase(root, catalog(root, p1=p), p, world_size=2)
+    report = plan.plan_phase(root, catalog(root, p1=p), p, ranks_per_node=2)
     assert not report["bucketed_sampler"] and report["batches_per_rank"] == 2
     assert report["steps"] == 4 and report["left_out"]["small_bucket"]["buckets"] == []
     assert "buckets: 16x16 (one bucket, no flips" in plan.format_plan(report)
     # Train-time captions need the epoch with each row: the trainer batches by bucket then.
     p = phase(MixEntry(dataset="b", count=26), train_time_captions=True)
-    report = plan.plan_phase(root, catalog(root, p1=p), p, world_size=2)
+    report = plan.plan_phase(root, catalog(root, p1=p), p, ranks_per_node=2)
     assert report["bucketed_sampler"] and report["batches_per_rank"] == 2
 
 
