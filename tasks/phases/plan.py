@@ -100,14 +100,11 @@ def training_ranks(
 def cluster_gpus_per_node(address: str, nodes: int) -> int:
     """The GPUs per node train_nodes would reserve on `nodes` nodes of the Ray cluster at
     `address` (0: a CPU cluster), read from its live nodes without reserving them; raises
-    TrainingFailed where no cluster answers or it has fewer live nodes."""
+    TrainingFailed where no cluster answers, or it has fewer live nodes (or fewer with GPUs,
+    where it has any: `train_nodes.gpus_per_node`)."""
     from tasks.phases import train_nodes  # imports ray: only for a plan on a cluster
 
     with train_nodes.connected(address, nodes):
-        if (alive := train_nodes.num_alive_nodes()) < nodes:
-            raise TrainingFailed(
-                f"the Ray cluster at {address} has {alive} live nodes, not {nodes}"
-            )
         return train_nodes.gpus_per_node(nodes)
 
 

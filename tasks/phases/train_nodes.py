@@ -233,16 +233,21 @@ def connected(cluster: str, nodes: int) -> Iterator[None]:
 
 
 def gpus_per_node(nodes: int) -> int:
-    """The GPUs each of `nodes` nodes of the cluster can give (0: a CPU cluster)."""
+    """The GPUs each of `nodes` nodes of the cluster can give (0: a CPU cluster). Raises
+    TrainingFailed where the cluster has fewer live nodes, or where it has GPUs but fewer
+    nodes with them (a CPU head would take a node's place: the ranks would run on CPUs)."""
     counts = sorted(
         (int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n["Alive"]), reverse=True
     )
-    return counts[nodes - 1] if len(counts) >= nodes else 0
-
-
-def num_alive_nodes() -> int:
-    """The cluster's live nodes (fewer than a training asks for: `gpus_per_node` says 0)."""
-    return sum(1 for n in ray.nodes() if n["Alive"])
+    if len(counts) < nodes:
+        raise TrainingFailed(f"the Ray cluster has {len(counts)} live nodes, not {nodes}")
+    if counts[0] and not counts[nodes - 1]:
+        with_gpus = sum(1 for c in counts if c)
+        raise TrainingFailed(
+            f"the Ray cluster has {with_gpus} nodes with GPUs, not {nodes}: a node without "
+            "GPUs (its head?) cannot take a GPU node's ranks; add GPU nodes or ask for fewer"
+        )
+    return counts[nodes - 1]
 
 
 @contextlib.contextmanager

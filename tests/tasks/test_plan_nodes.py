@@ -116,6 +116,9 @@ def test_per_node_ranks_are_this_machines_unless_the_cluster_says(monkeypatch):
     assert plan.training_ranks(p, nodes=5).per_node == 4
     fewer = plan.training_ranks(p, nodes=6)
     assert fewer.per_node == 1 and "has 5 live nodes, not 6" in fewer.basis
+    nodes[0]["Resources"]["GPU"] = 0.0  # a CPU head among 4 GPU nodes: 5 GPU nodes asked
+    short = plan.training_ranks(p, nodes=5)
+    assert "has 4 nodes with GPUs, not 5" in short.basis and short.per_node == 1
 
 
 def test_a_cluster_that_does_not_answer_leaves_the_assumption_said(monkeypatch):
