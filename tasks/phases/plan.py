@@ -6,8 +6,8 @@ over the per-rank batches that remain after the validation hold-out), for the ra
 training will start: its nodes x the ranks per node (`training_ranks`: on one node
 `launch_training`'s, on more train_nodes' from the Ray cluster, or assumed like this machine).
 The ETA divides the samples to train by the samples/s last measured on this data root for the
-same model (a run's summary; on the Ray cluster scaled linearly from that run's ranks to the
-plan's), so it is "unknown" until one run has finished.
+same model (a run's summary; scaled linearly from that run's ranks where the plan's differ),
+so it is "unknown" until one run has finished.
 
 Bucket occupancy: the buckets of the rows the mix would draw (each drawn row's bucket, from the
 encoded shards' keys files; a legacy shard is the one square of its latents), less the
@@ -197,9 +197,9 @@ def plan_phase(
             b["batches_per_rank"] = batches_per_rank
     measured = measured_samples_per_s(root, phase.model)
     rate = measured[0] if measured else None
-    if measured and measured[2] and ranks.through_ray:
-        # The run's rate was of its ranks; DDP over nodes is not measured: linear scaling
-        # assumed. (One node here keeps the rate as measured, the plan as it was.)
+    if measured and measured[2] and measured[2] != world_size:
+        # The run's rate was of its ranks (another GPU count here, a what-if --ranks, more
+        # nodes): scaled linearly, an assumption the plan states; DDP over nodes is unmeasured.
         rate = measured[0] * world_size / measured[2]
     samples_to_train = steps * global_batch
     return {

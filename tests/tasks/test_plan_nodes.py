@@ -157,17 +157,20 @@ def test_sdpipe_plan_plans_for_the_catalogs_nodes_or_nodes_given(bucketed, monke
 
 def test_the_eta_on_nodes_scales_the_measured_rate_to_the_planned_ranks(bucketed):
     """The measured run's samples/s were of its ranks: on 4x the ranks, a quarter of the time
-    (linear scaling assumed, as docs/scale-out.md does). One node here: the rate as measured."""
+    (linear scaling assumed, as docs/scale-out.md does), on one node as on several; on the
+    measured run's ranks, the rate as measured."""
     p = phase(MixEntry(dataset="a", count=85), num_val_samples=0, epochs=2, batch_size=2)
     run = bucketed / "runs" / "p0"
     run.mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"model": "m"}))
     (run / "summary.json").write_text(json.dumps({"samples_per_s": 10.0, "world_size": 2}))
     cat = catalog(bucketed, p1=p)
-    for ranks in (2, 4):
-        here = plan.plan_phase(bucketed, cat, p, ranks_per_node=ranks)
-        assert here["eta_s"] == round(here["steps"] * here["global_batch"] / 10.0)
-        assert "at 10.0 samples/s (measured by p0)" in plan.format_plan(here)
+    here = plan.plan_phase(bucketed, cat, p, ranks_per_node=2)
+    assert here["eta_s"] == round(here["steps"] * here["global_batch"] / 10.0)
+    assert "at 10.0 samples/s (measured by p0)" in plan.format_plan(here)
+    wider = plan.plan_phase(bucketed, cat, p, ranks_per_node=4)  # a what-if on this node
+    assert wider["eta_s"] == round(wider["steps"] * wider["global_batch"] / 20.0)
+    assert "scaled linearly to 4)" in plan.format_plan(wider)
     nodes = plan.plan_phase(bucketed, cat, p, nodes=4, ranks_per_node=2)
     assert nodes["samples_per_s"] == 40.0 and nodes["measured_samples_per_s"] == 10.0
     assert nodes["eta_s"] == round(nodes["steps"] * nodes["global_batch"] / 40.0)
