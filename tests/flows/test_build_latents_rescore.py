@@ -1,6 +1,7 @@
 """build-latents after a re-score by another scorer identity (issue 26, item 8's follow-up):
 the shards are scored again and filter-pixels selects again from their new scores, though the
-earlier run's tasks are cached; a run with nothing changed skips both."""
+earlier run's tasks are cached; a run with nothing changed skips both. The HF export follows the
+token shards: exported again when they change, skipped when not."""
 
 from __future__ import annotations
 
@@ -31,22 +32,29 @@ def test_a_rescore_makes_filter_pixels_select_again(prefect_stack, tmp_path, mon
     from catalog import load_catalog
     from flows.build_latents import build_latents
     from tasks.curation import score
+    from tasks.latents import hf_export
 
     root = tmp_path / "data"
 
     def build(catalog: Path) -> tuple[dict, ShardStats]:
         monkeypatch.setenv("SDPIPE_CATALOG", str(catalog))
-        state = build_latents(source="demo", data_root=str(root), workers=2, return_state=True)
+        state = build_latents(
+            source="demo", data_root=str(root), workers=2, hf_dataset=True, return_state=True
+        )
         APILogWorker.drain_all()
         assert state.is_completed(), state.message
+        assert hf_export.export_done(root, "demo")  # made from the token shards there now
         identity = score.scorer_identity(load_catalog().scorer("tiny-scoring"))
         return identity, ShardStats.read(stats_path(root, "demo", "selected", "all"))
 
     first, before = build(_catalog(tmp_path / "first", 32))
     record = stats_path(root, "demo", "selected", "all")
-    mtime = record.stat().st_mtime_ns
+    exported = stats_path(root, "demo", "hf", "all")
+    mtime, hf_mtime = record.stat().st_mtime_ns, exported.stat().st_mtime_ns
+    tokens = hf_export.token_inputs(root, "demo")
     build(_catalog(tmp_path / "same", 32))  # nothing changed: the selection stands
     assert record.stat().st_mtime_ns == mtime
+    assert exported.stat().st_mtime_ns == hf_mtime  # nor the export
 
     second, after = build(_catalog(tmp_path / "second", 64))
     assert second != first
@@ -54,3 +62,12 @@ def test_a_rescore_makes_filter_pixels_select_again(prefect_stack, tmp_path, mon
     assert record.stat().st_mtime_ns != mtime, "filter-pixels kept the old scores' selection"
     assert before.extra["scorer_identity"] == first
     assert after.extra["scorer_identity"] == second
+    # The tiny scorers keep the same rows: the tokens and the export stand.
+    assert hf_export.token_inputs(root, "demo") == tokens
+    assert exported.stat().st_mtime_ns == hf_mtime
+    # A shard tokenized again (as a re-selection that changes its rows makes it: its tokens
+    # record removed) -> the export, cached by the earlier runs, is made again from it.
+    stats_path(root, "demo", "tokens", "00001").unlink()
+    build(_catalog(tmp_path / "third", 64))
+    assert hf_export.token_inputs(root, "demo")["00001"] != tokens["00001"]
+    assert exported.stat().st_mtime_ns != hf_mtime, "the HF export kept the old tokens"
