@@ -130,5 +130,17 @@ class Decoders:
         return self.outcomes.pop(i)
 
     def close(self) -> None:
+        """No image decoded after this returns, so the slots may go: queued work is cancelled
+        and running work waited for (after a failure too, when results are left unread: a
+        chunk a worker reached after the shared memory closed would fail there, and every
+        failed chunk is retried one image at a time on new workers)."""
         if self.threads is not None:
-            self.threads.shutdown()
+            self.threads.shutdown(cancel_futures=True)
+            return
+        self.waiting = []
+        in_flight = {id(f): f for f in self.futures.values()}.values()
+        for future in in_flight:
+            future.cancel()
+        for future in in_flight:
+            if not future.cancelled():
+                future.exception()  # waits; its result or error is not wanted now

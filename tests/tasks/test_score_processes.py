@@ -23,14 +23,16 @@ from tasks.sources import demo_source
 
 FIELDS = ("aesthetic", "similarity", "pwatermark", "punsafe", "phash", "embedding")
 
-# A score worker that dies (as a decoder crash would) on the bytes b"crash".
-CRASHING = (
+# A score worker that takes 0.2 s a chunk (the tests see chunks in flight) and dies, as a decoder
+# crash would, on the bytes b"crash".
+TESTING = (
     sys.executable,
     "-c",
-    "import os, tasks.curation.score_decode as m\n"
+    "import os, time, tasks.curation.score_decode as m\n"
     "def prepare(items, size, **kw):\n"
     "    if any(data == b'crash' for _, _, data in items):\n"
     "        os._exit(139)\n"
+    "    time.sleep(0.2)\n"
     "    return m.prepare_rows(items, size, **kw)\n"
     "m.images.WORKER_TASKS['score'] = prepare\n"
     "m.images.serve()\n",
@@ -40,6 +42,13 @@ CRASHING = (
 @pytest.fixture(scope="module")
 def scorer():
     return score.Scorer(load_catalog(PACKAGED_DIR).scorer("tiny-scoring"), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def testing_pool():
+    pool = image_mod.DecodePool(1, TESTING)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +103,14 @@ def test_processes_score_the_threads_bits(scorer, pool):
             np.testing.assert_array_equal(getattr(got, name), getattr(expected[1], name), name)
 
 
-def test_a_crashing_image_is_dropped_alone(scorer):
+def test_a_crashing_image_is_dropped_alone(scorer, testing_pool):
     # In the last chunk, after a good image: its worker dies, the chunk's images are retried
     # one at a time on one new worker (each start imports open_clip), the crashing one dropped.
     images, captions = awkward_images(10)
     images[9] = b"crash"
-    crashing = image_mod.DecodePool(1, CRASHING)
-    try:
-        rows, got, dropped = score.score_images(
-            scorer, images, captions, batch_size=4, workers=1, pool=crashing, chunk=4
-        )
-    finally:
-        crashing.close()
+    rows, got, dropped = score.score_images(
+        scorer, images, captions, batch_size=4, workers=1, pool=testing_pool, chunk=4
+    )
     assert dropped == {7: "decode_error", 9: "decoder_crash"}
     assert rows == [i for i in range(10) if i not in (7, 9)]
     alone = [images[i] for i in rows]
@@ -176,3 +181,53 @@ def test_cuda_default_decodes_in_processes_with_the_threads_results(tmp_path):
     np.testing.assert_array_equal(got.phash, expected[1].phash)
     for name in ("aesthetic", "similarity", "pwatermark", "punsafe"):
         np.testing.assert_allclose(getattr(got, name), getattr(expected[1], name), atol=1e-3)
+
+
+def test_a_failed_shard_leaves_the_pool_as_it_was(scorer, testing_pool, monkeypatch):
+    # The networks fail at the first batch with chunks still queued and one running: the error
+    # comes through, queued chunks are cancelled and the running one awaited before the slots'
+    # memory closes, so no worker meets closed memory (each would die and the pool start new
+    # ones, ~4 s each, for every image of every chunk left).
+    images, captions = awkward_images(16)
+    kw = dict(batch_size=4, workers=1, pool=testing_pool, chunk=2)
+    score.score_images(scorer, images[:2], captions[:2], **kw)
+    workers = score_workers()
+    calls = []
+
+    def failing(slots, slot_ids, captions):
+        calls.append(1)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(scorer, "submit", failing)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            score.score_images(scorer, images, captions, **kw)
+    assert len(calls) == 1
+    rows, got, dropped = score.score_images(scorer, images, captions, **kw)
+    assert len(rows) + len(dropped) == 16
+    assert score_workers() == workers
+
+
+def test_closed_decoders_leave_no_chunk_to_write_into_the_slots(scorer, testing_pool):
+    # A memfd's number is reused by the next shard's: a chunk still queued or running when its
+    # shard's slots close would write into another shard's slots. close() cancels the queued
+    # ones and waits for the running one.
+    images, _ = awkward_images(12)
+    slots = score_slots.Slots(scorer, 12, shared=True)
+    decoders = score_slots.Decoders(scorer, slots, 1, testing_pool, chunk=2)
+    for i, data in enumerate(images):
+        decoders.decode(i, slots.free.pop(), data)
+    decoders.flush()
+    chunks = {id(f): f for f in decoders.futures.values()}.values()
+    assert len(chunks) == 6 and not all(f.done() for f in chunks)
+    decoders.close()
+    slots.close()
+    assert all(f.done() for f in chunks)  # finished, or cancelled before a worker took it
+    assert any(f.cancelled() for f in chunks)
+
+
+def score_workers() -> set[int]:
+    """The pids of this process's score decode workers."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children() if "score_decode" in " ".join(p.cmdline())}
