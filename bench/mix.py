@@ -224,7 +224,7 @@ def stage_mix(args) -> dict:
         from tasks.phases import plan
 
         start = time.perf_counter()
-        report = plan.plan_phase(root, cat, cat.phase(PHASE), world_size=8)
+        report = plan.plan_phase(root, cat, cat.phase(PHASE), ranks_per_node=8)
         planned = {
             "plan_seconds": round(time.perf_counter() - start, 2),
             "plan_buckets": len(report["buckets"]),

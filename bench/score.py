@@ -105,6 +105,7 @@ def main() -> None:
     from catalog import load_catalog
     from catalog.schema import ScoringModel
     from tasks.curation import score
+    from tasks.runtime import concurrency
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.size == "tiny":
@@ -141,10 +142,12 @@ def main() -> None:
         images = read_shard(work, "00001")
         jpeg_bytes = sum(len(d) for d in images)
         workers = args.workers or default_workers(device)
+        # The stage's process pool: the node's worker budget (SDPIPE_WORKERS, else the cores).
+        process_workers = args.workers or concurrency.workers()
         in_processes = device == "cuda" if processes is None else processes
         cpu_rates = {
-            way: cpu_side_rate(runs[True][0], images, batch_size, workers, way == "processes")
-            for way in ("threads", "processes")
+            "threads": cpu_side_rate(runs[True][0], images, batch_size, workers, False),
+            "processes": cpu_side_rate(runs[True][0], images, batch_size, process_workers, True),
         }
         cpu_ms = cpu_ms_per_image(runs[True][0], images[:64])
     finally:
@@ -166,8 +169,10 @@ def main() -> None:
                 "image_side": args.side,
                 "jpeg_kb": round(jpeg_bytes / len(images) / 1e3, 1),
                 "batch_size": batch_size,
-                "workers": workers,
+                "workers": process_workers if in_processes else workers,
                 "decode": "processes" if in_processes else "threads",
+                "thread_workers": workers,
+                "process_workers": process_workers,
                 "baseline_workers": args.workers or min(8, os.cpu_count() or 1),
                 "seconds": stats.seconds if stats else None,
                 "images_per_s": round(rate, 1) if stats else None,

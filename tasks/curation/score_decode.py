@@ -13,9 +13,12 @@ memory goes with the last process that maps it; a /dev/shm file would stay).
 The worker runs the scorer's own PIL steps (`score.pil_steps` of open_clip's transforms and the
 watermark model's), pickled with each chunk, so its pixels are the thread path's bits. A
 worker that dies in an image is replaced and the image dropped as `decoder_crash`
-(`DecodePool`); an image no decoder reads is `decode_error`, as in the thread path. This
-module imports neither torch nor sdpipe's flows: the worker loads only what unpickling the
-steps needs (torchvision, open_clip).
+(`DecodePool`); an image no decoder reads, or whose steps fail, is `decode_error`, as in the
+thread path. A chunk's own failure (the memory cannot be opened, the steps cannot be loaded)
+fails its shard with the worker's error (`images.WorkerError`). This module imports neither
+torch nor sdpipe's flows, but a worker loads what unpickling the steps needs (torch,
+torchvision, open_clip): ~4.5 s to start and up to ~0.8 GB resident each (much of it shared
+library pages), one per worker of the node's budget, for the process's life.
 """
 
 from __future__ import annotations
@@ -65,6 +68,24 @@ class SharedSlots:
         os.ftruncate(self.fd, max(offset, 1))
         self.map = mmap.mmap(self.fd, max(offset, 1))
         self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
+        # Which memory it is: a worker checks it opened this one, not whatever took the fd's
+        # number since (`prepare_rows`).
+        st = os.fstat(self.fd)
+        self.identity = (st.st_dev, st.st_ino)
+        try:
+            opened = os.stat(self.path)
+        except OSError as e:
+            opened = e
+        if not isinstance(opened, os.stat_result) or (opened.st_dev, opened.st_ino) != (
+            self.identity
+        ):
+            self.close()
+            raise OSError(
+                f"decode processes cannot open this process's shared memory at {self.path} "
+                f"({opened if isinstance(opened, OSError) else 'another file is there'}: /proc "
+                "of another PID namespace, or a process that is not dumpable); score with "
+                "decode threads: score_shard(processes=False)"
+            )
 
     def arrays(self) -> list[np.ndarray]:
         """The arrays, views of the shared memory (they keep the mapping alive)."""
@@ -82,16 +103,31 @@ def _view(buffer, offset: int, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def prepare_rows(
-    items: list[tuple[int, int, bytes]], size: int, *, steps: list, memory: str, layout: list
+    items: list[tuple[int, int, bytes]],
+    size: int,
+    *,
+    steps: list,
+    memory: str,
+    identity: tuple[int, int],
+    layout: list,
 ) -> tuple[list[int], list[int], dict[int, str]]:
     """Worker task: each (row, slot, image bytes) decoded to RGB, each of `steps` (PIL
     transforms) applied and its pixels written to the slot of the matching array of `layout`
-    in the shared memory at `memory`: (rows done, their pHashes, reason per dropped row).
-    `size` is unused (the steps set the shapes)."""
+    in the shared memory at `memory` (whose (st_dev, st_ino) must be `identity`): (rows done,
+    their pHashes, reason per dropped row). `size` is unused (the steps set the shapes)."""
     if not items:
         return [], [], {}
-    fd = os.open(memory, os.O_RDWR)
     try:
+        fd = os.open(memory, os.O_RDWR)
+    except OSError as e:
+        raise OSError(
+            f"cannot open the shard's shared slots at {memory} ({e.strerror}); score with "
+            "decode threads: score_shard(processes=False)"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != tuple(identity):  # the shard's slots closed: not ours
+            raise OSError(f"{memory} is no longer the shard's shared slots")
         mapped = mmap.mmap(fd, 0)
     finally:
         os.close(fd)
@@ -108,13 +144,14 @@ def _prepare(items: list, steps: list, mapped: mmap.mmap, layout: list) -> tuple
         try:
             img = open_rgb(data)
             pixels = [np.asarray(step(img)) for step in steps]
-        except Exception:  # any decoder failure is this one image's, not the chunk's
+            hashed = phash(img)
+        except Exception:  # any failure on one image is that image's, not the chunk's
             dropped[row] = "decode_error"
             continue
         for array, px in zip(arrays, pixels, strict=True):
             array[slot] = px
         rows.append(row)
-        hashes.append(phash(img))
+        hashes.append(hashed)
     return rows, hashes, dropped
 
 

@@ -74,10 +74,11 @@ def decode_one(scorer: Scorer, data: bytes, slots: Slots, slot: int) -> int | st
     cannot be scored."""
     try:
         img = open_rgb(data)
-    except Exception:  # any decoder failure is this one image's, not the shard's
+        prepared, hashed = scorer.prepare(img), phash(img)
+    except Exception:  # any failure on one image is that image's, not the shard's
         return "decode_error"
-    slots.write(slot, scorer.prepare(img))
-    return phash(img)
+    slots.write(slot, prepared)
+    return hashed
 
 
 class Decoders:
@@ -111,6 +112,7 @@ class Decoders:
             "score",
             steps=self.scorer.pil_tfs,
             memory=memory.path,
+            identity=memory.identity,
             layout=memory.layout,
         )
         for i, _, _ in self.waiting:
@@ -131,9 +133,9 @@ class Decoders:
 
     def close(self) -> None:
         """No image decoded after this returns, so the slots may go: queued work is cancelled
-        and running work waited for (after a failure too, when results are left unread: a
-        chunk a worker reached after the shared memory closed would fail there, and every
-        failed chunk is retried one image at a time on new workers)."""
+        and running work waited for (after a failure too, when results are left unread: the
+        memory's fd number is reused by the next shard's, which a late chunk would find at
+        the path; the memory's identity, checked by the worker, is the second guard)."""
         if self.threads is not None:
             self.threads.shutdown(cancel_futures=True)
             return

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import traceback
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -293,7 +294,11 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def serve() -> None:
-    """A worker's loop: pickled (task, items, size, options) on stdin, results on stdout."""
+    """A worker's loop: length-prefixed pickled (task, items, size, options) on stdin, pickled
+    results on stdout. A task's own exception (not one image's: those are drop reasons) is sent
+    back as `{"worker_error": message}`, and fails its request, not the worker: retrying it
+    image by image on new workers would only repeat it (a path it cannot open, a step it
+    cannot load). The length prefix keeps the stream whole when a request cannot be read."""
     # Parallelism comes from the worker processes; cv2's own threads would oversubscribe.
     cv2.setNumThreads(1)
     # The protocol gets a private copy of stdout; fd 1 goes to stderr, so whatever a C
@@ -302,17 +307,26 @@ def serve() -> None:
     os.dup2(2, 1)
     requests = sys.stdin.buffer
     while True:
-        try:
-            task, items, size, options = pickle.load(requests)
-        except EOFError:  # the parent closed our stdin, or died
+        head = requests.read(8)
+        if len(head) < 8:  # the parent closed our stdin, or died
             return
-        result = WORKER_TASKS[task](items, size, **options)
+        payload = requests.read(int.from_bytes(head, "little"))
+        try:
+            task, items, size, options = pickle.loads(payload)
+            result = WORKER_TASKS[task](items, size, **options)
+        except Exception as e:
+            tail = traceback.format_exc(limit=-3)
+            result = {"worker_error": f"{type(e).__name__}: {e}\n{tail}"}
         pickle.dump(result, out, protocol=pickle.HIGHEST_PROTOCOL)
         out.flush()
 
 
 class WorkerDied(Exception):
     pass
+
+
+class WorkerError(Exception):
+    """A decode worker's task failed as a whole (not an image of it): the request fails."""
 
 
 class _Worker:
@@ -326,14 +340,19 @@ class _Worker:
         )
 
     def call(self, request: tuple):
+        """The request's result, or a WorkerError to fail it with; raises WorkerDied."""
+        payload = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            pickle.dump(request, self.proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            self.proc.stdin.write(len(payload).to_bytes(8, "little") + payload)
             self.proc.stdin.flush()
-            return pickle.load(self.proc.stdout)
+            result = pickle.load(self.proc.stdout)
         except (EOFError, OSError, pickle.UnpicklingError) as e:
             self.proc.kill()
             self.proc.wait()
             raise WorkerDied(f"decode worker exited with {self.proc.returncode}") from e
+        if isinstance(result, dict) and "worker_error" in result:
+            return WorkerError(f"decode worker, task {request[0]!r}: {result['worker_error']}")
+        return result
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -438,11 +457,14 @@ class DecodePool(Lanes):
         for item in items:
             try:
                 worker = worker or self._start()
-                ok, payload, why = worker.call((task, [item], size, options))
+                result = worker.call((task, [item], size, options))
             except WorkerDied:
                 dropped[item[0]] = "decoder_crash"
                 worker = None
                 continue
+            if isinstance(result, WorkerError):  # the request's own failure: it fails
+                return result, worker
+            ok, payload, why = result
             rows += ok
             parts.append(payload)
             dropped |= why

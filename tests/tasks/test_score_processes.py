@@ -103,22 +103,51 @@ def test_processes_score_the_threads_bits(scorer, pool):
             np.testing.assert_array_equal(getattr(got, name), getattr(expected[1], name), name)
 
 
-def test_a_crashing_image_is_dropped_alone(scorer, testing_pool):
-    # In the last chunk, after a good image: its worker dies, the chunk's images are retried
-    # one at a time on one new worker (each start imports open_clip), the crashing one dropped.
+def test_a_crashing_image_is_dropped_alone(scorer, testing_pool, monkeypatch):
+    # Mid-chunk: its worker dies, the chunk's images are retried one at a time on one new
+    # worker, replaced once more after the crashing image, and that survivor takes the next
+    # chunk (each start imports open_clip: seconds).
     images, captions = awkward_images(10)
-    images[9] = b"crash"
+    images[5] = b"crash"
+    score.score_images(scorer, images[:1], captions[:1], batch_size=4, workers=1, pool=testing_pool)
+    starts = []
+    start = testing_pool._start
+    monkeypatch.setattr(testing_pool, "_start", lambda: starts.append(1) or start())
     rows, got, dropped = score.score_images(
         scorer, images, captions, batch_size=4, workers=1, pool=testing_pool, chunk=4
     )
-    assert dropped == {7: "decode_error", 9: "decoder_crash"}
-    assert rows == [i for i in range(10) if i not in (7, 9)]
+    assert dropped == {5: "decoder_crash", 7: "decode_error", 9: "decode_error"}
+    assert rows == [i for i in range(10) if i not in (5, 7, 9)]
+    assert len(starts) == 2
     alone = [images[i] for i in rows]
     expected = score.score_images(
         scorer, alone, [captions[i] for i in rows], batch_size=4, workers=1
     )
     np.testing.assert_array_equal(got.embedding, expected[1].embedding)
     np.testing.assert_array_equal(got.phash, expected[1].phash)
+
+
+def test_a_chunk_that_cannot_reach_the_slots_fails_its_shard_not_its_worker(scorer, pool):
+    # Memory a worker cannot open (another PID namespace's /proc, a parent that is not
+    # dumpable) or that is not the shard's any more: the chunk fails with the worker's error,
+    # naming the way out, at once; the workers stay (no retry image by image).
+    workers = score_workers()
+    slots = score_slots.Slots(scorer, 4, shared=True)
+    memory = slots.memory
+    request = dict(steps=scorer.pil_tfs, layout=memory.layout, identity=memory.identity)
+    items = [(0, 0, awkward_images(10)[0][0])]
+    try:
+        gone = pool.submit(items, 0, "score", memory="/proc/self/fd/999999", **request)
+        with pytest.raises(image_mod.WorkerError, match=r"processes=False"):
+            gone.result()
+        other = dict(request, identity=(0, 0))
+        stale = pool.submit(items, 0, "score", memory=memory.path, **other)
+        with pytest.raises(image_mod.WorkerError, match="no longer the shard's shared slots"):
+            stale.result()
+        assert pool.submit(items, 0, "score", memory=memory.path, **request).result()[0] == [0]
+    finally:
+        slots.close()
+    assert score_workers() == workers
 
 
 def test_shared_slots_are_gone_with_the_shard(scorer, pool):
