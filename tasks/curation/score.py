@@ -429,16 +429,17 @@ def score_shard(
     """Score the fetched images of one shard (status `success` rows of its sample table).
 
     processes: decode in the node's kept decode processes (`score_decode.decode_pool`, the
-    fast path only) rather than threads; default on CUDA's fast path, where the CPU side is
-    the limit and threads meet at the GIL. workers: how many; default the node's worker
-    budget (`SDPIPE_WORKERS`, else its cores) for processes, every core for threads on CUDA's
-    fast path, else up to 8 threads. fast=False: the old path (the benchmark's baseline)."""
+    fast path only) rather than threads; default `decode_in_processes` (SDPIPE_SCORE_DECODE,
+    else on CUDA's fast path, where the CPU side is the limit and threads meet at the GIL).
+    workers: how many; default the node's worker budget (`SDPIPE_WORKERS`, else its cores)
+    for processes, every core for threads on CUDA's fast path, else up to 8 threads.
+    fast=False: the old path (the benchmark's baseline)."""
     table_path = root / source / "shards" / f"{shard}.parquet"
     tar_path = table_path.with_suffix(".tar")
 
     def work(stats: ShardStats) -> None:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        in_processes = fast and dev.type == "cuda" if processes is None else processes
+        in_processes = decode_in_processes(fast, dev) if processes is None else processes
         if in_processes and not fast:
             raise ValueError("decode processes serve the fast path only (fast=True)")
         budget = workers or concurrency.workers()
@@ -476,6 +477,20 @@ def score_shard(
     identity = scorer_identity(spec)
     forget_other_scorer(root, source, shard, identity)
     return run_shard(root, source, STAGE, shard, work)
+
+
+DECODE_ENV = "SDPIPE_SCORE_DECODE"
+
+
+def decode_in_processes(fast: bool, device: torch.device) -> bool:
+    """Where score decodes by default: `SDPIPE_SCORE_DECODE` (`threads` or `processes`), else
+    in processes on CUDA's fast path (the CPU side is the limit there) and threads elsewhere."""
+    value = os.environ.get(DECODE_ENV, "").strip().lower()
+    if value not in ("", "threads", "processes"):
+        raise ValueError(f"{DECODE_ENV}={value!r}: expected 'threads' or 'processes'")
+    if value:
+        return value == "processes" and fast
+    return fast and device.type == "cuda"
 
 
 def shard_done(root: Path, source: str, shard: str, identity: dict) -> bool:

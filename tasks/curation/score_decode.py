@@ -84,7 +84,7 @@ class SharedSlots:
                 f"decode processes cannot open this process's shared memory at {self.path} "
                 f"({opened if isinstance(opened, OSError) else 'another file is there'}: /proc "
                 "of another PID namespace, or a process that is not dumpable); score with "
-                "decode threads: score_shard(processes=False)"
+                "decode threads: SDPIPE_SCORE_DECODE=threads"
             )
 
     def arrays(self) -> list[np.ndarray]:
@@ -122,7 +122,7 @@ def prepare_rows(
     except OSError as e:
         raise OSError(
             f"cannot open the shard's shared slots at {memory} ({e.strerror}); score with "
-            "decode threads: score_shard(processes=False)"
+            "decode threads: SDPIPE_SCORE_DECODE=threads"
         ) from None
     try:
         st = os.fstat(fd)

@@ -138,7 +138,7 @@ def test_a_chunk_that_cannot_reach_the_slots_fails_its_shard_not_its_worker(scor
     items = [(0, 0, awkward_images(10)[0][0])]
     try:
         gone = pool.submit(items, 0, "score", memory="/proc/self/fd/999999", **request)
-        with pytest.raises(image_mod.WorkerError, match=r"processes=False"):
+        with pytest.raises(image_mod.WorkerError, match="SDPIPE_SCORE_DECODE=threads"):
             gone.result()
         other = dict(request, identity=(0, 0))
         stale = pool.submit(items, 0, "score", memory=memory.path, **other)
@@ -260,3 +260,19 @@ def score_workers() -> set[int]:
     import psutil
 
     return {p.pid for p in psutil.Process().children() if "score_decode" in " ".join(p.cmdline())}
+
+
+def test_where_score_decodes_by_default(monkeypatch):
+    # Processes on CUDA's fast path, threads elsewhere; SDPIPE_SCORE_DECODE decides where set
+    # (the way out where processes cannot share the slots), never processes for the old path.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv(score.DECODE_ENV, raising=False)
+    assert score.decode_in_processes(True, cuda) and not score.decode_in_processes(True, cpu)
+    assert not score.decode_in_processes(False, cuda)
+    monkeypatch.setenv(score.DECODE_ENV, "threads")
+    assert not score.decode_in_processes(True, cuda)
+    monkeypatch.setenv(score.DECODE_ENV, "processes")
+    assert score.decode_in_processes(True, cpu) and not score.decode_in_processes(False, cpu)
+    monkeypatch.setenv(score.DECODE_ENV, "thread")
+    with pytest.raises(ValueError, match="SDPIPE_SCORE_DECODE='thread'"):
+        score.decode_in_processes(True, cpu)
