@@ -42,6 +42,7 @@ import pyarrow.parquet as pq
 from sdtrain.atomic import atomic_path
 from tasks.latents import images
 from tasks.runtime import concurrency
+from tasks.runtime.lanes import Lanes
 from tasks.runtime.shards import ShardStats, bump_generation, run_shard, stats_path, write_record
 from tasks.sources import bounded_download
 from tasks.sources.bounded_download import fetch_limits
@@ -200,7 +201,7 @@ class _Downloader:
         self.proc.wait()
 
 
-class FetchPool(images.Lanes):
+class FetchPool(Lanes):
     """The node's img2dataset downloader processes, fed pieces from one queue (first come,
     first served: a shard's pieces are spread over every process). Each process is started
     at once, so its imports overlap the work of the first shard; it lives for every later
