@@ -76,6 +76,17 @@ def forwarded_env() -> dict[str, str]:
     return env
 
 
+def train_on_nodes(config, *, nodes: int, cluster: str, on_line) -> dict:
+    """A training on `nodes` nodes of the Ray cluster (`launch_training_on_nodes`), its ranks
+    given this flow's settings and Prefect API (`forwarded_env`): the curriculum's and the
+    finetune flow's launcher beyond one node."""
+    from tasks.phases.train_nodes import launch_training_on_nodes
+
+    return launch_training_on_nodes(
+        config, nodes=nodes, cluster=cluster, on_line=on_line, env=forwarded_env()
+    )
+
+
 class NodeAgent:
     """One node's worker for one build-latents run (a Ray actor; see the module docstring)."""
 

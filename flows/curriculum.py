@@ -167,15 +167,10 @@ def train_task(
     start = time.monotonic()
     try:
         if on_nodes(nodes, cluster):
-            from flows.cluster import forwarded_env
-            from tasks.phases.train_nodes import launch_training_on_nodes
+            from flows.cluster import train_on_nodes
 
-            summary = launch_training_on_nodes(
-                config,
-                nodes=nodes,
-                cluster=cluster,
-                on_line=live.watching(on_line),
-                env=forwarded_env(),
+            summary = train_on_nodes(
+                config, nodes=nodes, cluster=cluster, on_line=live.watching(on_line)
             )
         else:
             with training_slot():

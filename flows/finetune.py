@@ -117,15 +117,10 @@ def train_task(
         Path(config.run_dir), key=f"{key}-train-pictures", title=f"{spec.name}/{run_name}"
     )
     if on_nodes(nodes, cluster):  # the placement group holds the nodes' GPUs
-        from flows.cluster import forwarded_env
-        from tasks.phases.train_nodes import launch_training_on_nodes
+        from flows.cluster import train_on_nodes
 
-        summary = launch_training_on_nodes(
-            config,
-            nodes=nodes,
-            cluster=cluster,
-            on_line=live.watching(on_line),
-            env=forwarded_env(),
+        summary = train_on_nodes(
+            config, nodes=nodes, cluster=cluster, on_line=live.watching(on_line)
         )
     else:
         logger.info(
