@@ -35,6 +35,7 @@ from catalog import buckets
 from tasks.latents.image_headers import header_size, is_truncated, jpeg_size, sniff
 from tasks.runtime import concurrency
 from tasks.runtime.lanes import Lanes
+from tasks.runtime.net import python_path
 
 # The rules, in the order they are applied (a reason is what the stats record counts):
 # - bytes no decoder reads -> dropped, `decode_error`
@@ -289,7 +290,6 @@ def per_image(items: Iterable[tuple], transform) -> tuple[list[int], list, dict[
 WORKER_TASKS = {"decode": decode_rows, "repack": repack_rows}
 
 WORKER_COMMAND = (sys.executable, "-m", "tasks.latents.images")
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def serve() -> None:
@@ -330,12 +330,11 @@ class WorkerError(Exception):
 
 class _Worker:
     def __init__(self, command: tuple[str, ...]):
-        path = os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": path},
+            env={**os.environ, "PYTHONPATH": python_path()},
         )
 
     def call(self, request: tuple):

@@ -34,8 +34,8 @@ def unreachable(address: str, timeout_s: float = 5.0) -> str | None:
 
 
 def python_path() -> str:
-    """This checkout first on a Ray node's PYTHONPATH: its actors run this code, not a copy
-    installed there (the same path on every node)."""
+    """This checkout first on a child's PYTHONPATH (decode and download workers, a Ray node's
+    actors): it runs this code, not a copy installed there (the same path on every node)."""
     paths = [str(PROJECT_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return os.pathsep.join(dict.fromkeys(paths))
 

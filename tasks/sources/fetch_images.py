@@ -43,6 +43,7 @@ from sdtrain.atomic import atomic_path
 from tasks.latents import images
 from tasks.runtime import concurrency
 from tasks.runtime.lanes import Lanes
+from tasks.runtime.net import python_path
 from tasks.runtime.shards import ShardStats, bump_generation, run_shard, stats_path, write_record
 from tasks.sources import bounded_download
 from tasks.sources.bounded_download import fetch_limits
@@ -168,8 +169,7 @@ class _Downloader:
     """One downloader process, one request at a time."""
 
     def __init__(self):
-        path = os.pathsep.join(p for p in (images._PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path}
+        env = {**os.environ, "PYTHONPATH": python_path()}
         env.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tasks.sources.fetch_images"],
