@@ -22,13 +22,14 @@ Every rank opens the set, and a digest costs ~1 s per 1M rows: so mix also recor
 `check` trusts a file whose stat is the same and digests only the others, refusing only a digest
 that differs. sdpipe rewrites a file by rename (a new inode); an edit in place moves its ctime
 even where its mtime is put back (`cp -p`, `touch -r`), and so does a chmod, a hard link or a
-rename (a keep-aside, a copied root): those are digested and pass. A stat recorded before ctime
-was ([size, mtime_ns, inode]) is compared on those three. Sets mixed without stats are digested.
+rename (a keep-aside, a copied root): those are digested, and pass if their rows are the same.
+A stat recorded before ctime was ([size, mtime_ns, inode]) is compared on those three. Sets
+mixed without stats are digested.
 
 The latents and token-id `.npy` files are mapped lazily, long after `check`: mix records their
-stats too (`latents_stat` per file, `ids_stat`), and `MapCheck` compares the descriptor mapped
-(`os.fstat`) with them; one that differs passes only while its shard's keys and tokens still
-digest as recorded (their values are not digested: a shard's latents are gigabytes).
+stats too (`MAPPED`), and `MapCheck` compares the descriptor mapped (`os.fstat`) with them; one
+that differs passes only while its shard's keys and tokens still digest as recorded (their
+values are not digested: a shard's latents are gigabytes).
 """
 
 from __future__ import annotations
@@ -43,15 +44,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sdtrain import layout
 from sdtrain.layout import BUCKET_FILE, FILES
 
 # In files.json: {"<source>-<shard>": {"keys": digest, "tokens": digest, "keys_stat": stat,
-# "tokens_stat": stat, "latents_stat": {"<file>": stat}, "ids_stat": stat}}, a stat
-# [size, mtime_ns, inode, ctime_ns] (before ctime was recorded: the first three) or None (no file).
+# "tokens_stat": stat}}, a stat [size, mtime_ns, inode, ctime_ns] (before ctime was recorded:
+# the first three) or None (no file).
 FIELD = "sources"
 KINDS = ("keys", "tokens")
 KEYS_SUFFIX = ".keys.arrow"
 KEY_COLUMNS = ("key", "token_row", "bucket", "bucket_row")
+# The stats of the files the set maps, uint64 [files, 2, 4]: row f = files.json's file f's
+# latents and token ids (their folder in the set, by kind), a stat as above; zeros: no file.
+# Binary, not in files.json: a bucketed set of 10,000 shards has 200,000 files.
+MAPPED = "mapped_stats.npy"
+MAPPED_KINDS = {"latents": "latents", "ids": "tokens"}
 
 
 class StalePhaseSet(ValueError):
@@ -153,25 +160,19 @@ def _record(pair: tuple[Path, Path]) -> dict:
 
 def record(phase_dir: Path, names: list[str], threads: int = 8) -> dict[str, dict]:
     """The digests and stats of every shard a phase set (links already made) reads, for
-    `files.json`: its keys and tokens files, and the latents and token-id files it maps."""
+    `files.json`; the stats of the files it maps are written to `MAPPED` in `phase_dir`."""
+    mapped = np.zeros((len(names), len(MAPPED_KINDS), 4), np.uint64)
+
+    def stat_file(f: int) -> None:
+        for k, folder in enumerate(MAPPED_KINDS.values()):
+            if (stat := file_stat(phase_dir / folder / f"{names[f]}.npy")) is not None:
+                mapped[f, k] = _unsigned(stat)
+
     pairs = _sources(phase_dir, names)
-    files: dict[str, list[str]] = {}
-    for name in names:
-        files.setdefault(shard_of(name), []).append(name)
-
-    def one(shard: str) -> dict:
-        # The mapped files' stats before the digests: a later change is not trusted.
-        first = files[shard][0]
-        return {
-            "latents_stat": {
-                n: file_stat(phase_dir / "latents" / f"{n}.npy") for n in files[shard]
-            },
-            "ids_stat": file_stat(phase_dir / "tokens" / f"{first}.npy"),
-            **_record(pairs[shard]),
-        }
-
     with ThreadPoolExecutor(threads) as pool:
-        return dict(zip(pairs, pool.map(one, pairs), strict=True))
+        list(pool.map(stat_file, range(len(names))))  # before the digests: a later change shows
+        np.save(phase_dir / MAPPED, mapped)
+        return dict(zip(pairs, pool.map(_record, pairs.values()), strict=True))
 
 
 def _changed(pair: tuple[Path, Path], recorded: dict) -> tuple[list[str], list]:
@@ -212,7 +213,7 @@ def check(phase_dir: Path, threads: int = 8) -> MapCheck | None:
     if stale:
         raise stale_error(phase_dir, stale)
     seen = {shard: stats for shard, (_, stats) in zip(shards, results, strict=True)}
-    return MapCheck(phase_dir, recorded, seen)
+    return MapCheck(phase_dir, recorded, seen, [f["name"] for f in meta["files"]])
 
 
 def stale_error(phase_dir: Path, stale: list[tuple[Path, str]], when: str = "") -> StalePhaseSet:
@@ -231,34 +232,37 @@ def stale_error(phase_dir: Path, stale: list[tuple[Path, str]], when: str = "") 
 class MapCheck:
     """The check of a set's latents and token-id files as they are mapped (`sdtrain.data`
     maps them on first read, after `check`): the stat of the descriptor mapped against mix's
-    record. One that differs (a rewrite since, or a chmod, link or copy) passes only while its
-    shard's keys and tokens files digest as recorded; their stats then are remembered, so a
-    shard's other files, and a file mapped again, cost a stat each, not a digest.
+    record (`MAPPED`, itself mapped: every rank of a machine shares one copy). One that differs
+    (a rewrite since, or a chmod, link or copy) passes only while its shard's keys and tokens
+    files digest as recorded; their stats then are remembered, so a shard's other files, and a
+    file mapped again, cost a stat each, not a digest."""
 
-    Held per file of the set: two stats as uint64 (a set of 200,000 bucket files: 13 MB)."""
-
-    def __init__(self, phase_dir: Path, recorded: dict[str, dict], seen: dict[str, list]):
+    def __init__(
+        self, phase_dir: Path, recorded: dict[str, dict], seen: dict[str, list], files: list[str]
+    ):
         self.phase_dir = phase_dir
         self.digests = {shard: {k: r.get(k) for k in KINDS} for shard, r in recorded.items()}
         self.verified = seen  # shard -> [keys stat, tokens stat] last found to digest as recorded
-        self._recorded = recorded  # until `bind` takes the mapped files' stats from it
+        self.files = files  # files.json's, the order of `MAPPED`'s rows
         self.names: list[str] = []
+        self.stats: np.ndarray | None = None
 
     def bind(self, names: list[str]) -> MapCheck:
-        """The stats of the files named, in that order (the set's reader's files)."""
+        """The record of the files named, in that order (the set's reader's): `MAPPED`'s rows,
+        or (an index derived from a manifest rewritten since) those rows found by name; none for
+        a set mixed before it."""
         self.names = names
-        self.stats = {kind: np.zeros((len(names), 4), np.uint64) for kind in ("latents", "ids")}
-        self.known = {kind: np.zeros(len(names), bool) for kind in self.stats}
-        for f, name in enumerate(names):
-            shard = self._recorded.get(shard_of(name), {})
-            for kind, stat in (
-                ("latents", shard.get("latents_stat", {}).get(name)),
-                ("ids", shard.get("ids_stat")),
-            ):
-                if stat is not None and len(stat) == 4:
-                    self.stats[kind][f] = _unsigned(stat)
-                    self.known[kind][f] = True
-        del self._recorded
+        try:
+            stats = layout.map_npy(self.phase_dir / MAPPED)
+        except FileNotFoundError:
+            stats = None
+        if stats is not None and stats.shape != (len(self.files), len(MAPPED_KINDS), 4):
+            stats = None
+        if stats is not None and names != self.files:
+            at = {name: f for f, name in enumerate(self.files)}
+            rows = np.array([at.get(name, -1) for name in names], np.int64)
+            stats = np.where((rows >= 0)[:, None, None], stats[rows], 0).astype(np.uint64)
+        self.stats, self.files = stats, []
         return self
 
     def latents(self, f: int, st: os.stat_result) -> None:
@@ -270,7 +274,10 @@ class MapCheck:
     def _mapped(self, kind: str, f: int, st: os.stat_result) -> None:
         """StalePhaseSet when file `f` mapped (`st`: its descriptor's stat) is not the one mix
         recorded and its shard's keys or tokens no longer digest as recorded."""
-        if not self.known[kind][f] or self.stats[kind][f].tolist() == _unsigned(stat_fields(st)):
+        if self.stats is None:
+            return
+        recorded = self.stats[f, list(MAPPED_KINDS).index(kind)].tolist()
+        if not any(recorded) or recorded == _unsigned(stat_fields(st)):  # zeros: no record
             return
         name = self.names[f]
         shard = shard_of(name)
@@ -278,14 +285,14 @@ class MapCheck:
         seen = [file_stat(path) for path in pair]  # before the digests, as at open
         if seen == self.verified.get(shard):
             return
-        recorded = self.digests.get(shard, {})
+        digests = self.digests.get(shard, {})
         stale = [
             (path if source == "keys" else path.resolve(), source)
             for source, path in zip(KINDS, pair, strict=True)
-            if DIGESTS[source](path) not in (None, recorded.get(source))
+            if DIGESTS[source](path) not in (None, digests.get(source))
         ]
         if stale:
-            mapped = f"{'latents' if kind == 'latents' else 'tokens'}/{name}.npy"
+            mapped = f"{MAPPED_KINDS[kind]}/{name}.npy"
             raise stale_error(self.phase_dir, stale, f"; found when mapping {mapped}")
         self.verified[shard] = seen
 

@@ -12,7 +12,7 @@
   [n, V, C, H/8, W/8]); with buckets, each entry also has `bucket` ("WxH"), `views` and
   `channels`; `sources` holds, per shard the set reads, digests and stats of its keys and
   tokens files (`sdtrain.fingerprints`: a set whose sources moved their rows is refused when
-  opened).
+  opened), and `mapped_stats.npy` the stats of the files it maps (checked as each is mapped).
 - `latents/<file>.npy` and `tokens/<file>.{npy,parquet}`: links into the sources' folders.
 
 The manifest's `bucket` is "" on the rows of a legacy shard: its file is `<source>-<shard>`, so

@@ -119,12 +119,12 @@ def test_a_source_rewritten_between_open_and_map_is_refused_when_mapped(phase_di
         table = pq.read_table(src / "tokens-00001.parquet").take(rolled)
         ids = np.load(src / "tokens-00001.npy")[rolled]
         replace(src / "tokens-00001.parquet", lambda p: pq.write_table(table, p))
-        replace(src / "tokens-00001.npy", lambda p: np.save(open(p, "wb"), ids))
+        replace(src / "tokens-00001.npy", lambda p: np.save(p, ids))
         changed = r"tokens-00001\.parquet"
     else:
         keys = pa.ipc.open_file(pa.memory_map(str(src / "latents-00001.keys.arrow"))).read_all()
         latents = np.load(src / "latents-00001.npy")[rolled]
-        replace(src / "latents-00001.npy", lambda p: np.save(open(p, "wb"), latents))
+        replace(src / "latents-00001.npy", lambda p: np.save(p, latents))
         replace(src / "latents-00001.keys.arrow", lambda p: write_arrow(p, keys.take(rolled)))
         changed = r"latents-00001\.keys\.arrow"
     assert all(torch.equal(a, b) for a, b in zip(data[0][:2], first, strict=True))  # mapped before
@@ -154,7 +154,7 @@ def test_a_chmod_or_a_hard_link_is_digested_and_passes(phase_dir, tmp_path, monk
     assert all(
         torch.equal(a, b)
         for pair, want in zip(got, expected, strict=True)
-        for a, b in zip(pair, want)
+        for a, b in zip(pair, want, strict=True)
     )
     assert sorted(digested) == sorted([fingerprints.KEY_COLUMNS, ("key",)])
 
@@ -165,10 +165,26 @@ def test_a_set_mixed_before_ctime_was_recorded_is_checked_as_before(
     phase = own_set(phase_dir, tmp_path)
     meta = json.loads((phase / layout.FILES).read_text())
     for shard in meta[fingerprints.FIELD].values():
-        del shard["latents_stat"], shard["ids_stat"]
         shard["keys_stat"], shard["tokens_stat"] = shard["keys_stat"][:3], shard["tokens_stat"][:3]
     (phase / layout.FILES).write_text(json.dumps(meta))
+    (phase / fingerprints.MAPPED).unlink()
     digested = count_digests(monkeypatch)
     os.chmod(tmp_path / "src" / "latents-00000.npy", 0o600)
     assert len(items(PhaseSet(phase))) == 2 * NUM_ROWS_PER_SHARD
     assert digested == []
+
+
+def test_a_set_indexed_from_its_manifest_checks_each_file_against_its_own_record(
+    phase_dir, tmp_path, monkeypatch
+):
+    """A manifest rewritten since the mix (its rows of shard 00001 only) is indexed anew, its
+    files in another order than the record's: each is still checked against its own."""
+    phase = own_set(phase_dir, tmp_path)
+    manifest = pq.read_table(phase / layout.MANIFEST)
+    pq.write_table(manifest.slice(NUM_ROWS_PER_SHARD), phase / layout.MANIFEST)
+    data = PhaseSet(phase)
+    looked_up = []  # a file mapped that is not the one recorded looks up its shard's keys file
+    real = fingerprints.keys_path
+    monkeypatch.setattr(fingerprints, "keys_path", lambda *a: looked_up.append(a) or real(*a))
+    assert data.names == ["demo-00001"] and len(items(data)) == NUM_ROWS_PER_SHARD
+    assert looked_up == []
