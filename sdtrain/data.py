@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,22 +93,32 @@ class PhaseSet(Dataset):
         phase_dir = Path(phase_dir)
         if not 0 <= flip_p <= 1:
             raise ValueError(f"flip_p={flip_p}: a probability, within [0, 1]")
-        fingerprints.check(phase_dir)  # StalePhaseSet: a source moved the rows the set reads
+        # StalePhaseSet: a source moved the rows the set reads (now, or before a file is mapped)
+        map_check = fingerprints.check(phase_dir)
         index = layout.mapped_index(phase_dir)
         files, self.rows = index if index is not None else layout.derived_index(phase_dir)
         self.names = [f["name"] for f in files]
+        if map_check is not None:
+            map_check.bind(self.names)
         self.seed, self.flip_p = seed, flip_p
         self.captions = captions  # train-time captions (sdtrain.captions): ids drawn per epoch
         latent_paths = [phase_dir / "latents" / f"{n}.npy" for n in self.names]
         tails = self._describe(phase_dir, files)
         # Mapped on first use: opening reads no file (10,000 shards open in a blink).
-        self.latents = _Mapped(latent_paths, [f["latent_rows"] for f in files], tails)
+        self.latents = _Mapped(
+            latent_paths,
+            [f["latent_rows"] for f in files],
+            tails,
+            check=map_check and map_check.latents,
+        )
         token_files = [phase_dir / "tokens" / f"{n}.npy" for n in self.names]
         # One listing of the links, not a stat of each (every rank opens the set; 10,000 shards
         # on NFS); a link whose target is gone is named when its file is first mapped.
         linked = _names_in(phase_dir / "tokens")
         missing = [f for f, n in enumerate(self.names) if f"{n}.npy" not in linked]
-        self.tokens = _Mapped(token_files, [f["token_rows"] for f in files])
+        self.tokens = _Mapped(
+            token_files, [f["token_rows"] for f in files], check=map_check and map_check.ids
+        )
         if missing:
             self._read_token_parquets(phase_dir, missing)
         self.draws_latents = sample_latents and bool((self.file_channels == 8).any())
@@ -296,6 +306,9 @@ class _Mapped:
     are seen as [n, V, C, h, w] (a legacy [N, 4, h, w] file as V = 1) and checked to hold the
     (V, C, h, w) the set's index says.
 
+    `check(f, stat)`, when given, is called with the stat of each file's descriptor as it is
+    mapped (`fingerprints.MapCheck`: the set's sources may change between its open and a map).
+
     At most `max_open` maps are held: past it the least recently used is let go (and mapped
     again when a row of it is read). A bucketed set of 10,000 shards has a latents file per
     (shard, bucket), some 200,000, and a process may hold only `vm.max_map_count` maps (65,530
@@ -308,9 +321,10 @@ class _Mapped:
         needed: list[int],
         tails: list[tuple[int, ...]] | None = None,
         *,
+        check: Callable[[int, os.stat_result], None] | None = None,
         max_open: int | None = None,
     ):
-        self.paths, self.needed, self.tails = paths, needed, tails
+        self.paths, self.needed, self.tails, self.check = paths, needed, tails, check
         self.arrays: list[np.ndarray | None] = [None] * len(paths)
         self.max_open = max_open or default_max_open()
         self.open: collections.OrderedDict[int, None] = collections.OrderedDict()
@@ -345,7 +359,9 @@ class _Mapped:
                         self.open.move_to_end(f)
             return array
         path = self.paths[f]
-        array = layout.map_npy(path)
+        array, stat = layout.mapped_npy(path)
+        if self.check is not None:
+            self.check(f, stat)
         if len(array) < self.needed[f]:
             raise ValueError(
                 f"{path} has {len(array)} rows, the manifest reads row {self.needed[f] - 1}: "

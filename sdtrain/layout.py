@@ -12,7 +12,7 @@
   [n, V, C, H/8, W/8]); with buckets, each entry also has `bucket` ("WxH"), `views` and
   `channels`; `sources` holds, per shard the set reads, digests and stats of its keys and
   tokens files (`sdtrain.fingerprints`: a set whose sources moved their rows is refused when
-  opened).
+  opened), and `mapped_stats.npy` the stats of the files it maps (checked as each is mapped).
 - `latents/<file>.npy` and `tokens/<file>.{npy,parquet}`: links into the sources' folders.
 
 The manifest's `bucket` is "" on the rows of a legacy shard: its file is `<source>-<shard>`, so
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -190,27 +191,34 @@ def write_index(folder: Path, files: list[str], rows: np.ndarray) -> None:
 
 
 def map_npy(path: Path) -> np.ndarray:
-    """A read-only view of an .npy file's array, memory-mapped without keeping its file open.
+    """A read-only view of an .npy file's array, memory-mapped without keeping its file open."""
+    return mapped_npy(path)[0]
+
+
+def mapped_npy(path: Path) -> tuple[np.ndarray, os.stat_result]:
+    """(a read-only view of an .npy file's array, the stat of the file descriptor mapped).
 
     `np.load(mmap_mode="r")` holds a file descriptor per array (Python's mmap keeps one), and a
     phase set of 10,000 shards maps 20,000 files: past a usual open-files limit. Arrow's map
-    lives on in the buffer after its file is closed.
+    lives on in the buffer after its file is closed. The header is read from the map and the
+    stat taken of its descriptor, so both are of the file mapped, whatever the path names since.
     """
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = (
-            np.lib.format.read_array_header_1_0
-            if version == (1, 0)
-            else np.lib.format.read_array_header_2_0
-        )
-        shape, fortran_order, dtype = read_header(f)
-        offset = f.tell()
+    with pa.memory_map(str(path)) as mapped:
+        st = os.fstat(mapped.fileno())
+        buffer = mapped.read_buffer()
+    header = pa.BufferReader(buffer)
+    version = np.lib.format.read_magic(header)
+    read_header = (
+        np.lib.format.read_array_header_1_0
+        if version == (1, 0)
+        else np.lib.format.read_array_header_2_0
+    )
+    shape, fortran_order, dtype = read_header(header)
     if fortran_order:
         raise ValueError(f"{path}: a Fortran-ordered array; the phase set reads C order")
-    with pa.memory_map(str(path)) as mapped:
-        buffer = mapped.read_buffer()
     count = int(np.prod(shape))
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    array = np.frombuffer(buffer, dtype=dtype, count=count, offset=header.tell()).reshape(shape)
+    return array, st
 
 
 def mapped_file(array: np.ndarray) -> str | None:
