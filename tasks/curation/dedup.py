@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import socket
-import tempfile
 from pathlib import Path
 
 import duckdb
@@ -25,6 +22,9 @@ import torch
 from catalog import FilterProfile
 from tasks.curation.phash_dedup import NearHashes
 from tasks.curation.semantic_dedup import Parts, SemanticIndex
+
+# One run's folder for the store, under a lease: a killed run's goes when its lease is over.
+from tasks.curation.semantic_store import semantic_workdir as semantic_workdir
 
 # A folder for semantic dedup's cluster-ordered store (a local disk: each round of the survivor
 # rule reads it again); unset, the source's folder on the data root.
@@ -124,14 +124,14 @@ def mark(
             alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
         elif len(ids):
             # The cluster-ordered embeddings go to disk (SEMANTIC_TEMP_ENV), not to memory.
-            with semantic_workdir(semantic_temp(scores_dir.parent)) as tmp:
+            with semantic_workdir(semantic_temp(scores_dir.parent)) as workdir:
                 index = SemanticIndex(
                     score_parts(con, scores_dir, len(ids)),
                     rank,
                     profile.semantic_threshold,
                     device=device,
                     max_visits=profile.semantic_visits,
-                    workdir=Path(tmp),
+                    workdir=workdir,
                 )
                 alone, lost = int(index.losers().sum()), index.losers(kept)
                 if notes is not None:
@@ -165,22 +165,6 @@ def semantic_temp(source_dir: Path) -> Path:
     folder = Path(os.environ.get(SEMANTIC_TEMP_ENV) or source_dir)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-def semantic_workdir(source_dir: Path) -> tempfile.TemporaryDirectory:
-    """A folder for the cluster-ordered embeddings (as large as the embeddings, twice over),
-    removed after use; one a killed run on this host left (its process gone) goes first."""
-    host = socket.gethostname()
-    for stale in source_dir.glob(f".semantic.tmp-{host}-*"):
-        pid = int(stale.name.rsplit("-", 2)[1])
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(stale, ignore_errors=True)
-        except PermissionError:
-            pass  # alive, another user's
-    prefix = f".semantic.tmp-{host}-{os.getpid()}-"
-    return tempfile.TemporaryDirectory(prefix=prefix, dir=source_dir)
 
 
 def score_parts(con: duckdb.DuckDBPyConnection, scores_dir: Path, num_rows: int) -> Parts:

@@ -90,6 +90,9 @@ class Scorer:
         if not spec.random_weights:  # every missing file named before minutes of building
             check_weights(spec)
         self.spec, self.device, self.fast = spec, device, fast
+        # What it is built from (files hashed once per process), as the files are now: kept, as
+        # they may be replaced while it lives.
+        self.identity = scorer_identity(spec)
         with torch.random.fork_rng(devices=[]):  # seeded twins; other threads' RNG untouched
             torch.manual_seed(seed)
             self.embed = clip_model(spec, "embed")

@@ -6,13 +6,21 @@ one run file per bucket; then bucket by bucket a run is read whole, put in slot 
 appended to the store and deleted. Memory holds a part or a bucket (BUCKET_BYTES of runs, more
 past MAX_BUCKETS x that: 1.3 GB at 100M rows of D = 768); the disk holds the store and the runs
 not yet assembled: at most (8 + 2 D) bytes per slot plus a bucket's store. All of it lives in
-the caller's own folder (`tasks.curation.dedup.semantic_workdir`): no later run reads it.
+one run's folder (`semantic_workdir`), held by a lease the run renews, not by its host and pid.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +29,12 @@ BUCKET_BYTES = 256 << 20  # a bucket's runs, read whole while it is assembled
 MAX_BUCKETS = 256  # run files open at once while the parts are copied
 STORE_NAME = "semantic-slots.f16"
 WRITE_ROWS = 65536  # rows per write while a bucket is assembled
+WORKDIR_PREFIX = ".semantic.tmp-"
+LEASE_NAME = "lease.json"
+RENEW_SECONDS = 30.0  # a running stage touches its lease this often
+# A lease untouched this long: its run is over. Ten renewals: room for clocks apart between
+# hosts and for a shared filesystem's cached attributes (NFS: up to 60 s by default).
+EXPIRE_SECONDS = 300.0
 
 
 def cluster_ordered(
@@ -72,3 +86,66 @@ def cluster_ordered(
 
 def _bytes_in(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.iterdir())
+
+
+@contextlib.contextmanager
+def semantic_workdir(parent: Path) -> Iterator[Path]:
+    """A folder of `parent` for one run's store (as large as the embeddings, twice over), removed
+    after use. While the run lives a thread renews the lease in it; any folder here whose lease
+    is over (`expired`) is a run that was killed, on this host or another, and goes first.
+    Neither host nor pid decides: pids repeat (a container's run has the same one each time),
+    and another host's processes cannot be asked."""
+    parent = Path(parent)
+    for folder in parent.glob(f"{WORKDIR_PREFIX}*"):
+        if expired(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+    folder = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=parent))
+    lease = folder / LEASE_NAME
+    lease.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))  # for people
+    stop = threading.Event()
+    renew = threading.Thread(target=_renew, args=(lease, stop), name="semantic-lease", daemon=True)
+    renew.start()
+    try:
+        yield folder
+    finally:
+        stop.set()
+        renew.join()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _renew(lease: Path, stop: threading.Event) -> None:
+    while not stop.wait(RENEW_SECONDS):
+        # Gone (taken as expired: the run then fails on its own) or a passing filesystem error:
+        # the next renewal tries again.
+        with contextlib.suppress(OSError):
+            os.utime(lease)
+
+
+def expired(folder: Path) -> bool:
+    """True if the run that made `folder` is over: its lease (or, without one, the folder
+    itself: a run about to write its lease, or one made before leases) was last touched more
+    than EXPIRE_SECONDS ago, or it is a folder of before leases (`<prefix><host>-<pid>-<random>`)
+    whose process on this host is gone, as it was judged then."""
+    now = time.time()
+    try:
+        touched = folder.stat().st_mtime
+    except FileNotFoundError:  # removed meanwhile by another run
+        return False
+    try:
+        renewed = (folder / LEASE_NAME).stat().st_mtime
+    except FileNotFoundError:
+        return now - touched > EXPIRE_SECONDS or _process_gone(folder.name)
+    return now - max(touched, renewed) > EXPIRE_SECONDS
+
+
+def _process_gone(name: str) -> bool:
+    parts = name.removeprefix(WORKDIR_PREFIX).rsplit("-", 2)
+    if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    return False

@@ -2,12 +2,17 @@
 memorisation as each generation's nearest training image by that same embedding, exact and
 blockwise (all generations against one training shard at a time: memory holds a shard, the cost
 is linear in the training set). Sources not scored with the eval's scorer are embedded once per
-shard from their images into `<source>/embeddings/<scorer>/NNNNN.parquet`.
+shard from their images: `<source>/embeddings/<scorer name>/NNNNN.parquet` (key, fp16 embedding;
+a folder per scorer, a file per fetched shard), keyed in its footer (`MADE_FROM`) by the scorer's
+identity and the shard's fetch record, as score's records are: other weights or a refetch make it
+again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +26,11 @@ import torch.nn.functional as F
 from PIL import Image
 
 from sdtrain.atomic import atomic_path
-from tasks.curation.score import Scorer, read_images
+from tasks.curation.score import Scorer, read_images, shard_done
+from tasks.runtime.shards import stats_path
 
 EMBEDDINGS = "embeddings"
+MADE_FROM = b"sdpipe.made_from"  # an embeddings file's key, in its parquet footer
 
 
 def clip_score(cosine: np.ndarray) -> np.ndarray:
@@ -85,13 +92,26 @@ def read_shard_images(root: Path, source: str, shard: str, keys: set[str]) -> di
     return {k: Image.open(io.BytesIO(v)).convert("RGB") for k, v in data.items()}
 
 
+def made_from(root: Path, source: str, shard: str, scorer: Scorer) -> dict:
+    """What a shard's embeddings are made from: the scorer (its `score.scorer_identity`: name,
+    settings, weights files' digests) and the shard's fetch record (its digest; a refetch
+    rewrites it; "" where the shard has none)."""
+    record = stats_path(root, source, "shards", shard)
+    # Hashed each time (a few hundred bytes), not through the weights' per-process digest cache,
+    # which would keep an entry per shard ever read.
+    digest = hashlib.sha256(record.read_bytes()).hexdigest()[:16] if record.is_file() else ""
+    return {"scorer_identity": scorer.identity, "shard_record": digest}
+
+
 def embedded_shard(
     root: Path, source: str, shard: str, scorer: Scorer, scorer_name: str, *, batch_size: int = 64
 ) -> Path:
     """`<source>/embeddings/<scorer>/<shard>.parquet` (key, fp16 embedding) of every fetched
-    image of the shard, written once (atomically) and reused by every later eval."""
+    image of the shard, written (atomically) once per `made_from` and reused by every later
+    eval; a file made from another scorer or fetch is made again."""
     out = root / source / EMBEDDINGS / scorer_name / f"{shard}.parquet"
-    if out.is_file():
+    key = made_from(root, source, shard, scorer)
+    if out.is_file() and (pq.read_schema(out).metadata or {}).get(MADE_FROM) == _encoded(key):
         return out
     table = pq.read_table(root / source / "shards" / f"{shard}.parquet", columns=["key", "status"])
     keys = [k for k, s in zip(*table.to_pydict().values(), strict=True) if s == "success"]
@@ -108,10 +128,14 @@ def embedded_shard(
             "key": pa.array(keys, pa.string()),
             "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), dim),
         }
-    )
+    ).replace_schema_metadata({MADE_FROM: _encoded(key)})
     with atomic_path(out) as tmp:
         pq.write_table(written, tmp)
     return out
+
+
+def _encoded(key: dict) -> bytes:
+    return json.dumps(key, sort_keys=True).encode()
 
 
 def _read_embeddings(
@@ -145,11 +169,14 @@ def training_blocks(
     scored_with: dict[str, str],
 ) -> Iterator[Block]:
     """The embeddings of the training keys, one (source, shard) at a time. `scored_with`: the
-    scoring model each source's score stage used ("" for none)."""
+    scoring model each source's score stage used ("" for none); a shard's scores are read only
+    where they are done by this very scorer (`score.shard_done`: its weights, this fetch)."""
     for (source, shard), keys in sorted(rows.items()):
         found = None
         scores = root / source / "scores" / f"{shard}.parquet"
-        if scored_with.get(source) == scorer_name and scores.is_file():
+        if scored_with.get(source) == scorer_name and shard_done(
+            root, source, shard, scorer.identity
+        ):
             found = _read_embeddings(scores, keys)
         computed = found is None
         if computed:

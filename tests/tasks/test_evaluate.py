@@ -5,6 +5,8 @@ noise, the outputs on disk; a SIGKILLed eval's finished images are not made agai
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import shutil
@@ -12,11 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from catalog import load_catalog
@@ -26,9 +30,12 @@ from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
 from sdtrain.sampling import encode_text
 from sdtrain.validation import BANDS, row_losses
 from sdtrain.weights import load_networks
+from tasks.curation import score
 from tasks.curation.score import load_scorer
 from tasks.evaluation import eval_metrics, eval_report, evaluate, fid
+from tasks.runtime.shards import ShardStats, stats_path, write_record
 from tests.tasks import eval_data
+from tests.tasks.conftest import scene_jpeg, write_fetched
 
 CPU = torch.device("cpu")
 
@@ -158,6 +165,94 @@ def test_an_unscored_source_is_embedded_once_from_its_images(evaluated, tmp_path
     mtime = cache.stat().st_mtime_ns
     list(eval_metrics.training_blocks(root, {("demo", "00000"): keys}, scorer, "tiny-scoring", {}))
     assert cache.stat().st_mtime_ns == mtime  # reused, not embedded again
+
+
+def _weighted_scorer_spec(folder: Path):
+    """The tiny scorer under its own name, with its twin's networks saved as weights files."""
+    tiny = load_catalog().scorer("tiny-scoring")
+    twin = load_scorer(tiny, CPU)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for role in ("embed", "similarity", "aesthetic", "nsfw", "watermark"):
+        torch.save(getattr(twin, role).state_dict(), folder / f"{role}.bin")
+        files[f"{role}_weights"] = str(folder / f"{role}.bin")
+    return dataclasses.replace(tiny, random_weights=False, **files)
+
+
+def _new_embed_weights(spec) -> None:
+    """Other weights in the same file, under the same scorer name."""
+    state = torch.load(spec.embed_weights)
+    g = torch.Generator().manual_seed(1)
+    torch.save({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()},
+               spec.embed_weights)  # fmt: skip
+
+
+def _fetch(root: Path, images: dict[str, bytes | None], *, refetched: int = 0) -> None:
+    """The shard as fetch-images (or its refetch) leaves it: tar, sample table and record."""
+    rows = [
+        {"key": k, "caption": k, "width": 64, "height": 64, "image": image}
+        | ({} if image else {"status": "http_503"})
+        for k, image in images.items()
+    ]
+    write_fetched(root, "src", rows)
+    num_out = sum(image is not None for image in images.values())
+    stats = ShardStats(stage="shards", source="src", shard="00000", num_in=len(images),
+                       num_out=num_out, dropped={"http_503": len(images) - num_out})  # fmt: skip
+    stats.extra["refetched"] = refetched
+    write_record(stats_path(root, "src", "shards", "00000"), stats)
+
+
+def test_eval_embeddings_are_reused_by_the_same_scorer_and_made_again_by_other_weights(tmp_path):
+    """Issue 33: the embeddings cache of a shard is keyed by the scorer's identity, not its
+    name: the same scorer reuses it, new weights under the same name make it again."""
+    spec = _weighted_scorer_spec(tmp_path / "weights")
+    root = tmp_path / "root"
+    _fetch(root, {"a": scene_jpeg(1, 64), "b": scene_jpeg(2, 64)})
+    scorer = load_scorer(spec, CPU)
+    out = eval_metrics.embedded_shard(root, "src", "00000", scorer, spec.name)
+    made = (out.stat().st_ino, out.stat().st_mtime_ns)
+    assert eval_metrics.embedded_shard(root, "src", "00000", scorer, spec.name) == out
+    assert (out.stat().st_ino, out.stat().st_mtime_ns) == made  # reused
+
+    _new_embed_weights(spec)
+    other = load_scorer(spec, CPU)
+    assert eval_metrics.embedded_shard(root, "src", "00000", other, spec.name) == out
+    stored = pq.read_table(out)["embedding"].combine_chunks().flatten().to_numpy()
+    images = [Image.open(io.BytesIO(scene_jpeg(i, 64))) for i in (1, 2)]
+    expected = eval_metrics.embed_images(other, images).half().numpy().reshape(-1)
+    np.testing.assert_array_equal(stored, expected)  # the new weights' embeddings
+
+
+def test_eval_embeddings_are_made_again_after_a_refetch(tmp_path):
+    """Issue 33: the embeddings cache of a shard is keyed by the shard's fetch record: a refetch
+    (its record rewritten, a failed image fetched now) makes it again."""
+    spec = _weighted_scorer_spec(tmp_path / "weights")
+    root = tmp_path / "root"
+    _fetch(root, {"a": scene_jpeg(1, 64), "b": scene_jpeg(2, 64), "c": None})
+    scorer = load_scorer(spec, CPU)
+    out = eval_metrics.embedded_shard(root, "src", "00000", scorer, spec.name)
+    assert pq.read_table(out)["key"].to_pylist() == ["a", "b"]
+    _fetch(root, {"a": scene_jpeg(1, 64), "b": scene_jpeg(2, 64), "c": scene_jpeg(3, 64)},
+           refetched=1)  # fmt: skip
+    eval_metrics.embedded_shard(root, "src", "00000", scorer, spec.name)
+    assert pq.read_table(out)["key"].to_pylist() == ["a", "b", "c"]
+
+
+def test_scores_of_other_weights_under_the_scorers_name_are_not_read(tmp_path):
+    """Issue 33: the memorisation scan reads a shard's stored embeddings only where the shard is
+    scored by the eval's very scorer (`score.shard_done`), not any scorer of its name."""
+    spec = _weighted_scorer_spec(tmp_path / "weights")
+    root = tmp_path / "root"
+    _fetch(root, {"a": scene_jpeg(1, 64), "b": scene_jpeg(2, 64)})
+    score.score_shard(root, "src", "00000", spec, device="cpu")
+    rows, scored_with = {("src", "00000"): ["a", "b"]}, {"src": spec.name}
+    scorer = load_scorer(spec, CPU)
+    (block,) = eval_metrics.training_blocks(root, rows, scorer, spec.name, scored_with)
+    assert not block.computed  # scored by this scorer: its scores' embeddings
+    _new_embed_weights(spec)
+    other = load_scorer(spec, CPU)
+    (block,) = eval_metrics.training_blocks(root, rows, other, spec.name, scored_with)
+    assert block.computed
 
 
 def test_band_losses_are_the_trainers_validation_loss_split_by_timestep(evaluated):

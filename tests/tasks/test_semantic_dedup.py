@@ -8,6 +8,7 @@ import dataclasses
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import duckdb
@@ -173,6 +174,55 @@ def test_a_killed_runs_embeddings_are_removed_by_the_next_run(tmp_path):
         assert Path(work).parent == tmp_path and Path(work).is_dir()
         assert not stale.exists() and running.exists()
     assert not Path(work).exists()
+
+
+def test_a_killed_runs_store_goes_whoever_holds_its_pid_now(tmp_path):
+    """Issue 33: a killed run's folder goes once its lease is over, whatever its name says: the
+    new run has the killed run's pid, the pid is another live process's now, or the run was on
+    another host (or pod); a folder of this version whose lease ran out goes too. A live run's
+    folder (its lease fresh, the rest of it old) stays."""
+    host = socket.gethostname()
+    over = time.time() - 24 * 3600  # killed a day ago
+    other = subprocess.Popen(["sleep", "60"])  # a live process that holds the pid now
+    try:
+        killed = [
+            tmp_path / f".semantic.tmp-{host}-{os.getpid()}-abc",
+            tmp_path / f".semantic.tmp-{host}-{other.pid}-def",
+            tmp_path / ".semantic.tmp-worker-7f9c-pod-4242-ghi",
+            tmp_path / ".semantic.tmp-k2j3h4x9",
+        ]
+        live = tmp_path / ".semantic.tmp-q8w7e6r5"
+        for folder in [*killed, live]:
+            folder.mkdir()
+            (folder / semantic_store.STORE_NAME).write_bytes(b"0" * 100)
+        for folder in killed[-1], live:
+            (folder / semantic_store.LEASE_NAME).write_text("{}")
+        for path in [*killed, live, *(f for d in killed for f in d.iterdir())]:
+            os.utime(path, (over, over))
+        with dedup.semantic_workdir(tmp_path) as work:
+            assert sorted(tmp_path.glob(".semantic.tmp-*")) == sorted([live, Path(work)])
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_running_stage_renews_its_lease(tmp_path, monkeypatch):
+    """Issue 33: the lease is renewed while the stage runs, so a later run never takes a long
+    run's folder for a killed one's."""
+    monkeypatch.setattr(semantic_store, "RENEW_SECONDS", 0.02)
+    with dedup.semantic_workdir(tmp_path) as work:
+        lease = work / semantic_store.LEASE_NAME
+        over = time.time() - semantic_store.EXPIRE_SECONDS - 60
+        for path in work, lease:
+            os.utime(path, (over, over))
+        assert semantic_store.expired(work)
+        deadline = time.monotonic() + 30
+        while lease.stat().st_mtime == over and time.monotonic() < deadline:
+            time.sleep(0.01)  # waiting for the renewing thread's next touch
+        assert not semantic_store.expired(work)
+        with dedup.semantic_workdir(tmp_path) as later:
+            assert work.is_dir() and later.is_dir()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_rows_with_more_centroids_in_reach_than_visits_are_counted(monkeypatch):
