@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tasks.runtime import concurrency
 from tasks.sources import bounded_download, fetch_images
 from tests.tasks import bad_images as bad
 from tests.tasks.conftest import loopback_server
@@ -212,9 +213,11 @@ def test_a_stalled_tls_handshake_ends_at_the_deadline():
 def test_a_redirect_to_a_private_host_is_a_counted_row_and_the_shard_completes(
     tmp_path, monkeypatch
 ):
-    """The whole stage, through the node's downloader processes (the seam reaches them through
-    the environment)."""
+    """The whole stage, through the node's downloader processes. The seam reaches them through
+    the environment, so they are started for this test (not the kept ones of earlier tests)."""
     monkeypatch.setenv("SDPIPE_FETCH_PROCESSES", "1")
+    pools = concurrency.Kept(fetch_images.FetchPool)
+    monkeypatch.setattr(fetch_images, "_fetch_pools", pools)
     root = tmp_path / "data"
     (root / "src" / "filtered").mkdir(parents=True)
     with two_servers() as (public, private, seen):
@@ -224,9 +227,12 @@ def test_a_redirect_to_a_private_host_is_a_counted_row_and_the_shard_completes(
         keys = [f"{i:09d}" for i in range(len(urls))]
         rows = pa.table({"key": keys, "url": urls, "caption": [f"row {i}" for i in keys]})
         pq.write_table(rows, root / "src" / "filtered" / "00000.parquet")
-        stats = fetch_images.fetch_images_shard(
-            root, "src", "00000", image_size=32, min_side=0, thread_count=4
-        )
+        try:
+            stats = fetch_images.fetch_images_shard(
+                root, "src", "00000", image_size=32, min_side=0, thread_count=4
+            )
+        finally:
+            pools.close_all()
     assert stats.dropped == {"private_host": 3}
     assert stats.num_out == 3
     assert seen["private"] == []
