@@ -170,6 +170,7 @@ def run_nodes(k: int, args, base: str) -> dict:
                     shard,
                     image_size=SIZE,
                     min_side=0,
+                    allow_private_hosts=True,  # served on 127.0.0.1
                 ),
             )
 

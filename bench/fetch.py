@@ -182,7 +182,7 @@ def run_sdpipe(work: Path, base: str, n: int, shard_size: int) -> dict:
         stats = list(
             pool.map(
                 lambda s: fetch_images.fetch_images_shard(
-                    root, SOURCE, s, image_size=SIZE, min_side=0
+                    root, SOURCE, s, image_size=SIZE, min_side=0, allow_private_hosts=True
                 ),
                 shards,
             )

@@ -36,6 +36,7 @@ class Source:
     # URL sources: fetch URLs whose host is this machine or a private network (loopback,
     # 10/8, 172.16/12, 192.168/16, link-local, IPv6 ULA, localhost). Off for real sources (a
     # metadata row must not make the fetcher read internal services); on for the demo.
+    # Checked on the URLs (fetch-metadata) and where each download connects, redirects included.
     allow_private_hosts: bool = False
     # Encode also stores the posterior's log-variance (latents of 8 channels), so a phase may
     # draw a latent from the posterior instead of taking its mean (docs/training-data.md).

@@ -507,6 +507,7 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
                 s,
                 image_size=src.resolution,
                 min_side=profile.min_side,
+                allow_private_hosts=src.allow_private_hosts,
                 **fetch_images.fetch_limits(src.options),
             ),
         )

@@ -422,6 +422,7 @@ def cmd_refetch(args: argparse.Namespace) -> int:
             image_size=src.resolution,
             min_side=profile.min_side,
             reasons=reasons,
+            allow_private_hosts=src.allow_private_hosts,
             **fetch_images.fetch_limits(src.options),
         )
         if stats is not None:

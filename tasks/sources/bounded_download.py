@@ -1,4 +1,5 @@
-"""One image download with a wall-clock limit and a byte cap, for img2dataset's downloader.
+"""One image download with a wall-clock limit, a byte cap and the source's private-host rule,
+for img2dataset's downloader.
 
 img2dataset (1.47) downloads each URL with `urllib.request.urlopen(url, timeout).read()`: its
 timeout is per socket operation, so a server that keeps sending (an image URL that redirects
@@ -9,29 +10,38 @@ flow wait on it. sdpipe's downloader processes (`fetch_images.serve`) install
 
 - ends a download `max_seconds` after it started, whatever the server does once connected: a
   watchdog thread shuts the download's sockets down at its deadline (redirects included), so
-  a read blocked on a dripping server returns at once; the row fails with TIMEOUT (`timeout`);
+  a read blocked on a dripping server returns at once; the row fails with TIMEOUT (`timeout`).
+  Name lookups run in a thread of their own that the deadline abandons (a lookup cannot be
+  interrupted), and connects wait at most until the deadline;
 - reads the body in chunks and stops past `max_bytes` (at once when the announced length is
   over it); the row fails with TOO_LARGE (`too_large`); memory per download is at most the cap;
-- does not try a download that hit a limit again (the same answer would come back, after the
-  same wait); other failures are retried as img2dataset does;
+- unless the source allows private hosts, connects only to public addresses: every address a
+  host name resolves to is checked, the socket connects to a checked one and its peer is
+  checked again before the request is sent, for every hop of a redirect (a rebinding name
+  cannot slip in between); the row fails with PRIVATE_HOST (`private_host`). Through a proxy
+  (the operator's choice, not checked) the rule applies to the URL's host, resolved here;
+- does not try a download that hit a limit or the rule again (the same answer would come
+  back, after the same wait); other failures are retried as img2dataset does;
 - fetches http(s) URLs only (img2dataset's urlopen also reads `file://` from the local disk).
 
-Connecting (name lookup, TCP and TLS handshakes) is bounded by the socket timeout only.
-The limits reach each download through img2dataset's unchanged code as its `timeout`
-argument: a `Limits`, a float (the per-read socket timeout) that also carries them.
+The limits and the rule reach each download through img2dataset's unchanged code as its
+`timeout` argument: a `Limits`, a float (the per-read socket timeout) that also carries them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import http.client
 import io
+import ipaddress
 import itertools
 import os
 import socket
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 MAX_SECONDS = 60  # default wall-clock limit of one download (its retries each have their own)
@@ -39,6 +49,15 @@ MAX_BYTES = 32 * 1024 * 1024  # default byte cap: above the largest images the d
 CHUNK = 256 * 1024
 TIMEOUT = "download timeout: no complete response within {} s"
 TOO_LARGE = "download too large: over {} bytes"
+PRIVATE_HOST = (
+    "private host: {} ({}) is this machine or a private network; the source does not allow "
+    "private hosts (allow_private_hosts)"
+)
+# Not tried again: the same answer would come back.
+FINAL = ("download timeout:", "download too large:", "private host:")
+# The tests' seam: loopback `host:port` pairs (comma-separated) the address rule treats as
+# public, so that a test can serve a "public" page on 127.0.0.1 that redirects to a private one.
+PUBLIC_FOR_TESTS = "SDPIPE_FETCH_PUBLIC_FOR_TESTS"
 USER_AGENT = "Mozilla/5.0 (X11; Ubuntu; Linux x86_64; rv:72.0) Gecko/20100101 Firefox/72.0"
 
 
@@ -73,21 +92,88 @@ class Limits(float):
 
     max_seconds: float
     max_bytes: int
+    allow_private_hosts: bool
 
-    def __new__(cls, timeout: float, max_seconds: float = MAX_SECONDS, max_bytes: int = MAX_BYTES):
+    def __new__(
+        cls,
+        timeout: float,
+        max_seconds: float = MAX_SECONDS,
+        max_bytes: int = MAX_BYTES,
+        allow_private_hosts: bool = False,
+    ):
         limits = super().__new__(cls, timeout)
         limits.max_seconds, limits.max_bytes = max_seconds, max_bytes
+        limits.allow_private_hosts = allow_private_hosts
         return limits
 
     def __reduce__(self):
-        return (Limits, (float(self), self.max_seconds, self.max_bytes))
+        return (
+            Limits,
+            (float(self), self.max_seconds, self.max_bytes, self.allow_private_hosts),
+        )
+
+
+# ---- the address rule ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4)
+def _public_for_tests(setting: str) -> frozenset:
+    pairs = set()
+    for item in setting.replace(" ", ",").split(","):
+        if not item:
+            continue
+        host, _, port = item.rpartition(":")
+        try:
+            address = ipaddress.ip_address(host.strip("[]"))
+            pairs.add((address, int(port)))
+        except ValueError:
+            address = None
+        if address is None or not address.is_loopback:
+            raise ValueError(f"{PUBLIC_FOR_TESTS}: {item!r} is not a loopback host:port")
+    return frozenset(pairs)
+
+
+def _within(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> list:
+    """`address` and the IPv4 addresses an IPv6 one carries (mapped, 6to4, Teredo), which a
+    connection to it may reach. (NAT64's 64:ff9b::/96 lies in ::/8, reserved: refused.)"""
+    if address.version == 6 and address.ipv4_mapped is not None:
+        return [address.ipv4_mapped]  # what it reaches (the ::ffff:0:0/96 block is "private")
+    found = [address]
+    if address.version == 6:
+        teredo = address.teredo
+        found += [a for a in (address.sixtofour, teredo and teredo[1]) if a is not None]
+    return found
+
+
+def is_public_address(ip: str, port: int) -> bool:
+    """Whether a connection to `ip` (a resolved or peer address) leaves this machine and its
+    private networks: not loopback, private (RFC 1918, ULA fc00::/7), shared (CGNAT 100.64/10),
+    link-local (169.254/16: cloud metadata), unspecified, multicast or reserved, in any form."""
+    address = ipaddress.ip_address(ip.split("%")[0])
+    if (address, port) in _public_for_tests(os.environ.get(PUBLIC_FOR_TESTS, "")):
+        return True
+    return all(
+        a.is_global
+        and not (
+            a.is_private
+            or a.is_loopback
+            or a.is_link_local
+            or a.is_multicast
+            or a.is_reserved
+            or a.is_unspecified
+            or (a.version == 6 and a.is_site_local)
+        )
+        for a in _within(address)
+    )
 
 
 class _Attempt:
-    """One download's deadline and the sockets it opened."""
+    """One download's deadline, its private-host rule and the sockets it opened."""
 
-    def __init__(self, deadline: float):
-        self.deadline = deadline
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+        self.allow_private_hosts = False
         self.lock = threading.Lock()
         self.sockets: list[socket.socket] = []
         self.expired = False
@@ -131,7 +217,7 @@ class _Watchdog:
         self._thread: threading.Thread | None = None
 
     def start(self, seconds: float) -> _Attempt:
-        attempt = _Attempt(time.monotonic() + seconds)
+        attempt = _Attempt(seconds)
         with self._cond:
             heapq.heappush(self._heap, (attempt.deadline, next(self._order), attempt))
             if self._thread is None:
@@ -168,33 +254,142 @@ def _register(sock: socket.socket | None) -> None:
         attempt.add(sock)
 
 
+class _Refused(Exception):
+    """A hop the private-host rule refuses (not an OSError: urllib passes it on unwrapped)."""
+
+
+class _LimitReached(Exception):
+    pass
+
+
+def resolve(host: str, port: int) -> list[tuple]:
+    """getaddrinfo for a TCP connection to `host`; the tests' seam for a slow name server."""
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+def _lookup(attempt: _Attempt, host: str, port: int) -> list[tuple]:
+    """`resolve` within the attempt's deadline: in a thread of its own, abandoned (left to end
+    by itself) at the deadline, since a lookup cannot be interrupted."""
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["infos"] = resolve(host, port)
+        except Exception as e:  # noqa: BLE001  (raised in the download's thread)
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=run, name="fetch-lookup", daemon=True).start()
+    if not done.wait(max(0.0, attempt.deadline - time.monotonic())):
+        raise _LimitReached(TIMEOUT.format(attempt.seconds))
+    if "error" in box:
+        raise box["error"]
+    return box["infos"]
+
+
+def _check(attempt: _Attempt, host: str, ip: str, port: int) -> None:
+    if not attempt.allow_private_hosts and not is_public_address(ip, port):
+        raise _Refused(PRIVATE_HOST.format(host, ip))
+
+
+def _open_socket(
+    attempt: _Attempt, address: tuple, timeout: float | None, source_address, *, checked: bool
+) -> socket.socket:
+    """A TCP connection to `address` (host, port), as `socket.create_connection` makes, to an
+    address resolved within the deadline. `checked`: every resolved address must pass the
+    rule, and the connected peer is checked again."""
+    host, port = address
+    infos = _lookup(attempt, host, port)
+    if checked:
+        for *_, sockaddr in infos:
+            _check(attempt, host, sockaddr[0], port)
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in infos:
+        left = attempt.deadline - time.monotonic()
+        if left <= 0:
+            raise _LimitReached(TIMEOUT.format(attempt.seconds))
+        sock = socket.socket(family, kind, proto)
+        attempt.add(sock)  # from now on the watchdog can end it
+        try:
+            sock.settimeout(left if timeout is None else min(timeout, left))
+            if source_address:
+                sock.bind(source_address)
+            sock.connect(sockaddr)
+            if checked:
+                peer = sock.getpeername()
+                _check(attempt, host, peer[0], peer[1])
+            sock.settimeout(timeout)
+            return sock
+        except OSError as e:
+            sock.close()
+            if attempt.deadline <= time.monotonic():
+                raise _LimitReached(TIMEOUT.format(attempt.seconds)) from None
+            error = e
+        except BaseException:
+            sock.close()
+            raise
+    raise error or OSError(f"{host}: no address to connect to")
+
+
 class _HTTPConnection(http.client.HTTPConnection):
-    def connect(self):
-        super().connect()
-        _register(self.sock)
+    """Connections of one download: within its deadline, under its private-host rule.
+    `target`: the URL's (host, port) when the connection goes to a proxy."""
+
+    def __init__(self, *args, target: tuple | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._target = target
+        self._create_connection = self._open
+
+    def _open(self, address, timeout=None, source_address=None) -> socket.socket:
+        attempt = _current.attempt
+        if self._target is not None:  # the proxy is the operator's choice; the URL's host is not
+            host, port = self._target
+            for *_, sockaddr in _lookup(attempt, host, port):
+                _check(attempt, host, sockaddr[0], port)
+        return _open_socket(attempt, address, timeout, source_address, checked=self._target is None)
 
 
-class _HTTPSConnection(http.client.HTTPSConnection):
+class _HTTPSConnection(_HTTPConnection, http.client.HTTPSConnection):
     def connect(self):
-        super().connect()
+        # As HTTPSConnection.connect, with the TLS socket in the watchdog's hands before
+        # its handshake (wrapping detaches the plain socket registered at connect).
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(
+            self.sock,
+            server_hostname=self._tunnel_host or self.host,
+            do_handshake_on_connect=False,
+        )
         _register(self.sock)
+        self.sock.do_handshake()
+
+
+def _target(req: urllib.request.Request) -> tuple | None:
+    """The URL's (host, port) when `req` goes through a proxy, else None."""
+    if not (req.has_proxy() or req._tunnel_host):
+        return None
+    url = urllib.parse.urlsplit(req.full_url)
+    return url.hostname, url.port or (443 if url.scheme == "https" else 80)
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
     def http_open(self, req):
-        return self.do_open(_HTTPConnection, req)
+        return self.do_open(functools.partial(_HTTPConnection, target=_target(req)), req)
 
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):
     def https_open(self, req):
-        return self.do_open(_HTTPSConnection, req, context=self._context)
+        return self.do_open(
+            functools.partial(_HTTPSConnection, target=_target(req)), req, context=self._context
+        )
 
 
-def _opener() -> urllib.request.OpenerDirector:
-    """http(s) only (no file://, ftp:// or data:), proxies from the environment, redirects."""
+def _opener(proxies: dict[str, str] | None = None) -> urllib.request.OpenerDirector:
+    """http(s) only (no file://, ftp:// or data:), `proxies` (default: the environment's),
+    redirects."""
     opener = urllib.request.OpenerDirector()
     for handler in (
-        urllib.request.ProxyHandler(),
+        urllib.request.ProxyHandler(proxies),
         urllib.request.UnknownHandler(),
         _HTTPHandler(),
         _HTTPSHandler(),
@@ -207,10 +402,6 @@ def _opener() -> urllib.request.OpenerDirector:
 
 
 _OPENER = _opener()
-
-
-class _LimitReached(Exception):
-    pass
 
 
 def download_image(
@@ -227,6 +418,7 @@ def download_image(
     if user_agent_token:
         user_agent += f" (compatible; {user_agent_token}; +https://github.com/rom1504/img2dataset)"
     attempt = _watchdog.start(max_seconds)
+    attempt.allow_private_hosts = getattr(timeout, "allow_private_hosts", False)
     _current.attempt = attempt
     try:
         request = urllib.request.Request(url, data=None, headers={"User-Agent": user_agent})
@@ -250,7 +442,7 @@ def download_image(
             raise _LimitReached(TIMEOUT.format(max_seconds))
         body.seek(0)
         return key, body, None
-    except _LimitReached as e:
+    except (_LimitReached, _Refused) as e:
         return key, None, str(e)
     except Exception as err:  # noqa: BLE001  (as img2dataset: any failure is the row's error)
         if attempt.expired:
@@ -261,19 +453,21 @@ def download_image(
         attempt.finish()
 
 
-def limit_reached(error: str | None) -> bool:
-    return bool(error) and error.startswith(("download timeout:", "download too large:"))
+def final(error: str | None) -> bool:
+    """Whether `error` is a limit or the private-host rule: trying again would not help."""
+    return bool(error) and error.startswith(FINAL)
 
 
 def download_with_retry(
     row, timeout: float, retries: int, user_agent_token, disallowed_header_directives
 ) -> tuple[int, io.BytesIO | None, str | None]:
-    """img2dataset's `download_image_with_retry`, without retrying a download past a limit."""
+    """img2dataset's `download_image_with_retry`, without retrying a download past a limit
+    or refused by the private-host rule."""
     for _ in range(retries + 1):
         key, stream, error = download_image(
             row, timeout, user_agent_token, disallowed_header_directives
         )
-        if stream is not None or limit_reached(error):
+        if stream is not None or final(error):
             break
     return key, stream, error
 

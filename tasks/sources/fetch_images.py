@@ -63,6 +63,8 @@ DISALLOWED_HEADER_DIRECTIVES = ["noai", "noimageai", "noindex", "noimageindex"]
 def drop_reason(error_message: str | None) -> str:
     """img2dataset's free-text error -> a drop reason users can count and search for."""
     msg = (error_message or "").lower()
+    if msg.startswith("private host:"):  # the source's rule, at connect (bounded_download)
+        return "private_host"
     if m := re.search(r"http error (\d{3})", msg):
         return f"http_{m.group(1)}"
     if "too small" in msg:
@@ -139,6 +141,7 @@ def serve() -> None:
                     request["timeout"],
                     request.get("max_seconds", bounded_download.MAX_SECONDS),
                     request.get("max_bytes", bounded_download.MAX_BYTES),
+                    request.get("allow_private_hosts", False),
                 ),
                 number_sample_per_shard=request["rows"],
                 oom_shard_count=5,
@@ -242,7 +245,9 @@ class Download:
     """img2dataset over `table`'s rows (url, caption, key) into `workdir`, images kept as
     served, in pieces on the node's fetch pool; `pieces()` yields each piece's (status
     parquet with the sdpipe key in KEY_COLUMN, its tar) in order, as soon as it is done.
-    Each download ends within `max_seconds` and `max_bytes` (default: `fetch_limits()`)."""
+    Each download ends within `max_seconds` and `max_bytes` (default: `fetch_limits()`), and
+    connects to this machine or a private network only if `allow_private_hosts` (the
+    source's rule; every redirect hop is checked)."""
 
     def __init__(
         self,
@@ -254,6 +259,7 @@ class Download:
         timeout: int = 10,
         max_seconds: int | None = None,
         max_bytes: int | None = None,
+        allow_private_hosts: bool = False,
     ):
         limits = fetch_limits()  # each download's: the environment's, else the defaults
         if max_seconds is not None:
@@ -281,6 +287,7 @@ class Download:
                 thread_count=threads,
                 timeout=timeout,
                 retries=retries,
+                allow_private_hosts=allow_private_hosts,
                 **limits,
             )
             self.futures.append(pool.submit(request))

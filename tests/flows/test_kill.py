@@ -52,7 +52,12 @@ def tokenized_root(tmp_path_factory, small_catalog) -> Path:
     with demo_source.serve_mirror(root / "demo" / "mirror"):
         for p in sorted((root / "demo" / "filtered").glob("[0-9]*.parquet")):
             fetch_images.fetch_images_shard(
-                root, "demo", p.stem, image_size=src.resolution, min_side=profile.min_side
+                root,
+                "demo",
+                p.stem,
+                image_size=src.resolution,
+                min_side=profile.min_side,
+                allow_private_hosts=src.allow_private_hosts,
             )
     filter.select_pixels(root, "demo", profile)
     for p in sorted((root / "demo" / "selected").glob("[0-9]*.parquet")):

@@ -67,10 +67,9 @@ def test_blocklist_fetch_and_refetch(tmp_path, mirror):
     assert not blocked & set(read_dir(root / "laion" / "metadata")["url"].to_pylist())
 
     filter_stage.filter_metadata(root, "laion", PROFILE, 10_000)
+    kw = dict(image_size=64, min_side=PROFILE.min_side, thread_count=4, allow_private_hosts=True)
     with demo_source.serve_mirror(mirror):
-        fetched = fetch_images.fetch_images_shard(
-            root, "laion", "00000", image_size=64, min_side=PROFILE.min_side, thread_count=4
-        )
+        fetched = fetch_images.fetch_images_shard(root, "laion", "00000", **kw)
     assert fetched.dropped["http_404"] == demo_source.PLANTED["http_404"]
     failed = fetch_images.failed_samples(root, "laion")
     assert failed.num_rows == fetched.extra["num_failed_urls"]  # a count: the URLs are in the table
@@ -78,7 +77,6 @@ def test_blocklist_fetch_and_refetch(tmp_path, mirror):
     before = members(root / "laion" / "shards" / "00000.tar")
 
     # A refetch of transient failures finds none: a 404 is not retried by default.
-    kw = dict(image_size=64, min_side=PROFILE.min_side, thread_count=4)
     assert fetch_images.refetch_shard(root, "laion", "00000", **kw) is None
     # The missing images come back upstream; a downstream record exists and goes stale.
     for i in range(demo_source.PLANTED["http_404"]):

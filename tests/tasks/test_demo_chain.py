@@ -47,6 +47,7 @@ def run_chain(root: Path, source, profile, model, scorer, spec: encode.LatentSpe
         image_size=source.resolution,
         min_side=profile.min_side,
         thread_count=4,
+        allow_private_hosts=source.allow_private_hosts,
     )
     # Two shards at a time, as the flow's thread pool runs them.
     with (

@@ -97,7 +97,7 @@ def _download(url: str, **limits) -> tuple[object, str | None, float]:
     start = time.monotonic()
     _, stream, error = bounded_download.download_with_retry(
         (0, url),
-        timeout=bounded_download.Limits(SOCKET_TIMEOUT, **limits),
+        timeout=bounded_download.Limits(SOCKET_TIMEOUT, allow_private_hosts=True, **limits),
         retries=2,
         user_agent_token=None,
         disallowed_header_directives=None,
@@ -177,6 +177,7 @@ def test_endless_and_huge_urls_end_as_rows_and_the_shard_completes(tmp_path, mon
                     min_side=0,
                     thread_count=4,
                     timeout=SOCKET_TIMEOUT,
+                    allow_private_hosts=True,  # served on 127.0.0.1
                 )
             except BaseException as e:  # noqa: BLE001  (reported below)
                 done["error"] = e

@@ -113,7 +113,9 @@ def test_a_shard_downloads_on_the_nodes_processes_in_pieces(tmp_path, no_fetch_e
             }
         )
         pq.write_table(rows, root / "src" / "filtered" / "00000.parquet")
-        stats = fetch_images.fetch_images_shard(root, "src", "00000", image_size=SIZE, min_side=0)
+        stats = fetch_images.fetch_images_shard(
+            root, "src", "00000", image_size=SIZE, min_side=0, allow_private_hosts=True
+        )
     assert stats.num_out == n and stats.dropped == {}
     assert counts["requests"] == n
     # 2 processes x 3 threads: never more requests at once than that.

@@ -58,7 +58,13 @@ def test_url_images_follow_the_rules_of_every_source(tmp_path):
         )
         pq.write_table(rows, root / "src" / "filtered" / "00000.parquet")
         stats = fetch_images.fetch_images_shard(
-            root, "src", "00000", image_size=SIZE, min_side=MIN_SIDE, thread_count=4
+            root,
+            "src",
+            "00000",
+            image_size=SIZE,
+            min_side=MIN_SIDE,
+            thread_count=4,
+            allow_private_hosts=True,  # served on 127.0.0.1
         )
 
     table = pq.read_table(root / "src" / "shards" / "00000.parquet").to_pylist()
