@@ -38,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tasks.runtime.net import node_env, unreachable
+from tasks.runtime.net import node_env
+from tasks.runtime.ray_connect import connect, disconnect
 from tasks.runtime.shards import ShardStats, current_node
 
 log = logging.getLogger(__name__)
@@ -158,27 +159,15 @@ class Cluster:
     sum of every node's."""
 
     def __init__(self, address: str, *, workers: int | None = None):
-        import ray
-
         self.address = address
         self.lock = threading.Lock()
         self.per_node: dict[str, dict[str, int]] = {}
         self.turns: Counter = Counter()
         self.nodes: list[Node] = []
-        self.connected = not ray.is_initialized()
-        if self.connected:
-            if (why := unreachable(address)) is not None:
-                raise ClusterError(
-                    f"no Ray cluster answers at {address!r} ({why}): start it (`ray start "
-                    "--head` on its head node) or give another address"
-                )
-            try:
-                ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise ClusterError(
-                    f"no Ray cluster answers at {address!r} ({e}): start it (`ray start "
-                    "--head` on its head node) or give another address"
-                ) from e
+        # This cluster, or an error naming why not (another one already connected, its token).
+        self.connected = connect(
+            address, error=ClusterError, log_to_driver=False, logging_level=logging.WARNING
+        )
         try:
             self._start(workers)
         except BaseException:
@@ -234,8 +223,8 @@ class Cluster:
         for node in self.nodes:
             if node.agent is not None:
                 ray.kill(node.agent, no_restart=True)
-        if self.connected and ray.is_initialized():
-            ray.shutdown()
+        if self.connected:
+            disconnect()
 
     def describe(self) -> str:
         return ", ".join(

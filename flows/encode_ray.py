@@ -23,6 +23,7 @@ from flows.cluster import forwarded_env
 from flows.stages import publish_counts
 from tasks.latents import encode
 from tasks.runtime import shards
+from tasks.runtime.ray_connect import connect, disconnect
 from tasks.runtime.shards import read_stats, summarize
 
 
@@ -34,7 +35,17 @@ class SdpipeRayTaskRunner(RayTaskRunner):
     def __enter__(self):
         runtime_env = self.init_kwargs.setdefault("runtime_env", {})
         runtime_env["env_vars"] = {**forwarded_env(), **runtime_env.get("env_vars", {})}
+        # Connected here (the cluster's token checked, an open connection kept), not by
+        # RayTaskRunner, which then uses this connection and leaves closing it to __exit__.
+        self.opened = connect(self.address, **self.init_kwargs)
         return super().__enter__()
+
+    def __exit__(self, *exc_info):
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            if self.opened:
+                disconnect()
 
 
 # No Prefect result cache: the shard records are the cache, and they are never stale.

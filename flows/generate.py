@@ -102,18 +102,14 @@ def generate_task(
 
 
 def _on_ray(prompts, weights, out_dir, seeds, num_devices, kwargs):
-    import ray
-
     from flows.cluster import forwarded_env
     from tasks.generation.generate_ray import generate_images_on_ray
+    from tasks.runtime.ray_connect import connection
 
-    ray.init(runtime_env={"env_vars": forwarded_env()})
-    try:
+    with connection(None, runtime_env={"env_vars": forwarded_env()}):
         return generate_images_on_ray(
             weights, prompts, seeds, out_dir, num_workers=num_devices, **kwargs
         )
-    finally:
-        ray.shutdown()
 
 
 @flow(name="generate", log_prints=True)

@@ -9,23 +9,60 @@ marker, the `ray_cluster` fixture in tests/conftest.py), and each test leaves it
 nodes as it found.
 
 The test process itself does not connect: the flows under test connect to `address` (as a
-user's flow run connects to `RAY_ADDRESS`) and disconnect when they end.
+user's flow run connects to `RAY_ADDRESS`) and disconnect when they end. The cluster has token
+authentication on, as users' clusters have it (Ray's default from 2.61): a fresh token in a
+temporary folder (never the user's ~/.ray), set for this process and so for the nodes it starts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 NODE_CPUS = 2
+AUTH_SETTINGS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def reload_auth() -> None:
+    """This process's Ray reads its authentication settings (RAY_AUTH_*) again: it keeps what it
+    read first."""
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    reset_auth_token_state()
+
+
+def set_auth(settings: dict[str, str | None]) -> dict[str, str | None]:
+    """Set (None: unset) Ray's authentication settings for this process and the processes it
+    starts; returns the ones they replaced."""
+    saved = {k: os.environ.get(k) for k in AUTH_SETTINGS}
+    for k, v in settings.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    reload_auth()
+    return saved
 
 
 class LocalCluster:
     def __init__(self, nodes: int, *, cpus: int = NODE_CPUS):
+        from ray._private.authentication.authentication_token_generator import (
+            generate_new_authentication_token,
+        )
         from ray.cluster_utils import Cluster
 
         self.cpus = cpus
+        self.auth_dir = Path(tempfile.mkdtemp(prefix="ray-auth-"))
+        token = self.auth_dir / "auth_token"
+        token.write_text(generate_new_authentication_token())
+        self.saved_auth = set_auth(
+            {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": None, "RAY_AUTH_TOKEN_PATH": str(token)}
+        )
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -73,6 +110,8 @@ class LocalCluster:
 
     def shutdown(self) -> None:
         self.cluster.shutdown()
+        set_auth(self.saved_auth)
+        shutil.rmtree(self.auth_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from tasks.generation.generate import (
     make_chunks,
     start,
 )
+from tasks.runtime.ray_connect import connect
 
 
 class RayWorker:
@@ -71,8 +72,7 @@ def generate_images_on_ray(
     (or RAY_ADDRESS, or a local one). `gpus_per_worker`: default 1, or 0 (CPU actors) on a cluster
     without GPUs, where GPU actors would wait forever. `num_workers`: actors (default: as many
     as the cluster's GPUs, or CPUs, hold)."""
-    if not ray.is_initialized():
-        ray.init()
+    connect(None)  # the open connection, else RAY_ADDRESS (its token checked), else a local Ray
     if gpus_per_worker is None:
         gpus_per_worker = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     out_dir = Path(out_dir).absolute()

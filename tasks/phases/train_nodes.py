@@ -32,7 +32,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sdtrain.config import TrainConfig
 from tasks.phases.train import STOP_MARGIN_S, TrainingFailed, node_line
-from tasks.runtime.net import PROJECT_ROOT, node_env, python_path, unreachable
+from tasks.runtime.net import PROJECT_ROOT, node_env, python_path
+from tasks.runtime.ray_connect import connection
 
 POLL_S = 0.5  # between two reads of the nodes' new lines
 READ_TIMEOUT_S = 10.0  # one read of a node's lines
@@ -210,26 +211,19 @@ def launch_training_on_nodes(
 
 @contextlib.contextmanager
 def connected(cluster: str, nodes: int) -> Iterator[None]:
-    """Connected to the Ray cluster; disconnected after, if connected here."""
-    if ray.is_initialized():
-        yield
-        return
-    address = cluster or os.environ.get("RAY_ADDRESS")
-    if not address:
+    """Connected to the Ray cluster at `cluster`, else RAY_ADDRESS, else the one this process
+    is connected to (`ray_connect.connect`: another one open, or its token missing, fails);
+    disconnected after, if connected here."""
+    address = cluster or os.environ.get("RAY_ADDRESS") or None
+    if address is None and not ray.is_initialized():
         raise TrainingFailed(
             f"training on {nodes} nodes needs a Ray cluster: give its address (the `cluster` "
             "parameter, e.g. HEAD:6379) or set RAY_ADDRESS"
         )
-    if (why := unreachable(address)) is not None:
-        raise TrainingFailed(f"no Ray cluster answers at {address!r} ({why})")
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise TrainingFailed(f"no Ray cluster answers at {address!r} ({e})") from e
-    try:
+    with connection(
+        address, error=TrainingFailed, log_to_driver=False, logging_level=logging.WARNING
+    ):
         yield
-    finally:
-        ray.shutdown()
 
 
 def gpus_per_node(nodes: int) -> int:

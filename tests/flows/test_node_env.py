@@ -42,3 +42,14 @@ def test_the_prefect_api_of_a_profile_reaches_the_nodes(monkeypatch):
     with temporary_settings(updates={PREFECT_API_URL: "http://10.0.0.5:4200/api"}):
         assert "PREFECT_API_URL" not in os.environ
         assert forwarded_env()["PREFECT_API_URL"] == "http://10.0.0.5:4200/api"
+
+
+def test_the_ray_token_stays_off_the_nodes_runtime_env(monkeypatch, tmp_path):
+    # A node has the cluster's token from its own environment (`ray start` there); an actor's
+    # runtime_env is kept in the cluster's metadata, where anyone who can list jobs reads it.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "the-token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "auth_token"))
+    env = forwarded_env()
+    assert not [k for k in env if k.startswith("RAY_")]
+    assert "the-token" not in env.values()

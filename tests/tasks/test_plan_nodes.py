@@ -101,12 +101,16 @@ def test_per_node_ranks_are_this_machines_unless_the_cluster_says(monkeypatch):
     assert plan.training_ranks(p).per_node == 1  # train_nodes: 1 CPU rank a node
     assert plan.training_ranks(p, nodes=1).per_node == 2  # launch_training: 2 CPU ranks
 
+    import contextlib
+
     import ray
+
+    from tasks.phases import train_nodes
 
     alive = [8, 8, 4, 8, 8]
     nodes = [{"Alive": True, "Resources": {"GPU": float(g), "CPU": 16.0}} for g in alive]
     nodes.append({"Alive": False, "Resources": {"GPU": 16.0}})
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # connected(): as it is
+    monkeypatch.setattr(train_nodes, "connected", lambda cluster, nodes: contextlib.nullcontext())
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     ranks = plan.training_ranks(p, cluster="head:6379")
     assert (ranks.per_node, ranks.world_size) == (8, 32)
