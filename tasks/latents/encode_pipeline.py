@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from sdtrain.lazy import BUILD_LOCK
-from tasks.latents import images, kept_latents
+from tasks.latents import images
 from tasks.latents.encode_read import ShardInput, open_shard
 from tasks.latents.encode_spec import LatentSpec, forget_other_spec
 
@@ -250,7 +250,6 @@ class Pipeline:
     ):
         self.root, self.source, self.shards, self.model = root, source, shards, model
         self.spec: LatentSpec = spec
-        self.links = kept_latents.PhaseLinks(root)  # phase sets' links, read if a spec changed
         self.bucketed = not spec.legacy
         self.batch_size, self.size = batch_size, model.resolution
         self.sizes = spec.plan.sizes()  # [K, 2] (width, height)
@@ -314,7 +313,7 @@ class Pipeline:
             for shard in self.shards:
                 if self.stop.is_set():
                     break
-                if forget_other_spec(self.root, self.source, shard, self.spec, self.links):
+                if forget_other_spec(self.root, self.source, shard, self.spec):
                     self.inputs.put(ShardInput(shard, skip=True))
                     continue
                 self._read(shard)
