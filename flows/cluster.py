@@ -5,22 +5,25 @@ else `RAY_ADDRESS`), the flow run stays where it is, with one Prefect task run p
 cache key, record, retries, "rerun only the failed shards", the dashboard's counts); only each
 shard's work moves, to a node of the cluster. Without a cluster nothing changes.
 
-Each node of the cluster with CPUs runs one `NodeAgent` for the flow run: a Ray actor pinned to
-the node (node affinity, not soft), holding the node's GPUs, with the node's settings in its
-environment (`SDPIPE_WORKERS`: the node's worker budget, the flow's `workers` or the node's
-CPUs; `SDPIPE_NODE`: its name in records; `SDPIPE_GPU_POOL`: its GPU pool). In that one process
-live what one node's stages keep between shards, exactly as in a one-node flow run: the fetch
-pool (img2dataset downloader processes), the decode pool (repack, encode's decoders), tokenize's
-processes, and for score and encode one long-lived worker per GPU (`flows.devices.Devices`,
-built in the agent: the node's GPUs, its pool's slots and device locks). Per stage, a shard goes
-to the node with the most room under that node's own limit (`stage_limits` of its budget and
-devices), so every node works at its one-node pace.
+Each node of the cluster with CPUs runs one CPU `NodeAgent` for the flow run: a Ray actor
+pinned to the node (node affinity, not soft), asking Ray for no CPUs and no GPUs, with the
+node's settings in its environment (`SDPIPE_WORKERS`: the node's worker budget, the flow's
+`workers` or the node's CPUs; `SDPIPE_NODE`: its name in records; `SDPIPE_GPU_POOL`: its GPU
+pool). In it live what one node's CPU stages keep between shards, as in a one-node run: the
+fetch pool, the decode pool, tokenize's processes. A GPU stage (score, encode) gets its own
+agent per node at its first shard there, holding the node's GPUs and its `Devices` (one
+long-lived worker per GPU), ended by `close_stage`: GPUs are held only while the stage runs.
+Per stage, a shard goes to the node with the most room under that node's own limit
+(`stage_limits` of its budget and devices); a node that joins mid-run gets an agent and adds
+its limits. Waiting for an agent to start says so and who holds the node, and fails after
+`SDPIPE_CLUSTER_WAIT_S` (flows/cluster_agents.py); the run's demand goes to Ray's autoscaler.
 
-A lost node costs only its shards: a call on an agent whose node died raises `RayActorError`;
-the shard's task run (still running, in the flow's process) then hands the shard to another
-node, and the node is left out for the rest of the run. Outputs are written under temporary
-names and renamed into place (sdtrain/atomic.py), so a shard the lost node was writing leaves
-nothing a rerun trusts; finished shards have their records and are never redone.
+A dead agent is not a lost node: Ray is asked whether the node is alive. A lost node costs only
+its shards (their task runs hand them to other nodes; the node is left out). On a live node a
+fresh agent, after killing what the dead one left, runs each shard that was in flight alone;
+a shard that kills `POISON_DEATHS` agents running it alone fails naming how they died, and the
+other shards go on. Outputs are written under temporary names and renamed into place, so a
+shard a dead agent was writing leaves nothing a rerun trusts.
 
 The data root must be one path on every node (a shared filesystem), as for the workers of
 docs/scale-out.md; so must the code (the agents import the checkout the flow runs from).
