@@ -37,25 +37,34 @@ def file_identity(path: str | Path) -> list:
     return [str(path), stat.st_size, stat.st_mtime_ns]
 
 
-def save_partitioned(folder: Path, name: str, array: np.ndarray, dest: np.ndarray, num: int):
-    """`array` sorted by `dest` (its partition, 0..num-1), and offsets [num + 1] beside it."""
+def save_partitioned(folder: Path, name: str, columns: dict, dest: np.ndarray, num: int):
+    """`columns` (equal lengths) sorted by `dest` (each row's partition, 0..num-1), one file a
+    column, and offsets [num + 1] beside them."""
     order = np.argsort(dest, kind="stable")  # radix sort for small integer types
-    np.save(folder / f"{name}.npy", array[order])
+    for column, values in columns.items():
+        np.save(folder / f"{name}.{column}.npy", values[order])
     counts = np.bincount(dest, minlength=num)
     np.save(folder / f"{name}.offsets.npy", np.concatenate([[0], np.cumsum(counts)]))
 
 
-def read_part(folder: Path, name: str, part: int) -> np.ndarray:
-    """Partition `part` of a `save_partitioned` array, read through a memory map."""
+def read_part(folder: Path, name: str, part: int, columns: Sequence[str]) -> dict:
+    """Partition `part` of a `save_partitioned` table, read through memory maps."""
     offsets = np.load(folder / f"{name}.offsets.npy")
-    data = np.load(folder / f"{name}.npy", mmap_mode="r")
-    return np.array(data[offsets[part] : offsets[part + 1]])
+    out = {}
+    for column in columns:
+        data = np.load(folder / f"{name}.{column}.npy", mmap_mode="r")
+        out[column] = np.array(data[offsets[part] : offsets[part + 1]])
+    return out
 
 
-def gather(folders: Sequence[Path], name: str, part: int, dtype) -> np.ndarray:
-    """Partition `part` of `name` from every upstream folder, concatenated."""
-    pieces = [read_part(f, name, part) for f in folders]
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+def gather(folders: Sequence[Path], name: str, part: int, dtypes: dict) -> dict:
+    """Partition `part` of table `name` from every upstream folder, concatenated by column
+    (`dtypes`: column -> dtype, for when there is no folder)."""
+    pieces = [read_part(f, name, part, list(dtypes)) for f in folders]
+    return {
+        column: np.concatenate([p[column] for p in pieces]) if pieces else np.zeros(0, dtype)
+        for column, dtype in dtypes.items()
+    }
 
 
 def remove_stale(out: Path) -> int:

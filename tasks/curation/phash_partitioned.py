@@ -37,7 +37,7 @@ from tasks.curation.phash_dedup import first_table, plan, table_key, table_pairs
 from tasks.curation.survivors import DROPPED, SURVIVES, UNDECIDED, settle
 
 ROW = np.dtype([("hash", "<u8"), ("rank", "<i8")])
-PAIR = np.dtype([("better", "<i8"), ("worse", "<i8")])
+PAIR_COLUMNS = {"better": np.int64, "worse": np.int64}
 # Rows a task holds at once (its memory: ~100-200 bytes a row at the peak of a sort or table
 # pass); the number of partitions follows from it and the rows.
 ROWS_PER_TASK = 2_000_000
@@ -54,14 +54,15 @@ class PhashPlan:
     max_distance: int
     num_parts: int  # hash buckets, key ranges per table and rank ranges alike
     tables_per_pass: int
+    blocks: tuple[tuple[int, int], ...]  # the one-node path's plan for as many hashes
+    tables: tuple[tuple[int, ...], ...]  # none when max_distance is 0: exact copies only
 
     def layout(self) -> tuple[list, list]:
-        """(blocks, tables) of the one-node path's plan for as many hashes."""
-        return plan(max(self.num_rows, 2), self.max_distance)
+        return list(self.blocks), list(self.tables)
 
     @property
     def num_tables(self) -> int:
-        return len(self.layout()[1]) if self.max_distance > 0 else 0
+        return len(self.tables)
 
     @property
     def num_passes(self) -> int:
@@ -106,6 +107,7 @@ def make_plan(
             raise ValueError(f"{path}: records {array.dtype}, expected {ROW}")
         num_rows += len(array)
     ids = [file_identity(p) for p in inputs]
+    blocks, tables = plan(max(num_rows, 2), max_distance)
     name = digest(ids, num_ranks, max_distance, rows_per_task, tables_per_pass)
     return PhashPlan(
         root=Path(workdir) / f"phash-{name}",
@@ -115,6 +117,8 @@ def make_plan(
         max_distance=max_distance,
         num_parts=max(1, math.ceil(num_rows / rows_per_task)),
         tables_per_pass=tables_per_pass,
+        blocks=tuple(blocks),
+        tables=tuple(tables) if max_distance > 0 else (),
     )
 
 
@@ -128,60 +132,74 @@ def _bucket(hashes: np.ndarray, num: int) -> np.ndarray:
     return _small((top * np.uint64(num)) >> np.uint64(32), num)
 
 
-def _best_per_hash(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the best-ranked row of each hash, the ranks of the others: copies, lost whatever the
-    best row's fate)."""
-    rows = rows[np.lexsort((rows["rank"], rows["hash"]))]
-    first = np.ones(len(rows), bool)
-    first[1:] = rows["hash"][1:] != rows["hash"][:-1]
-    return rows[first], rows["rank"][~first]
+def _best_per_hash(hashes: np.ndarray, ranks: np.ndarray) -> tuple[dict, np.ndarray]:
+    """(the best-ranked row of each hash, sorted by hash; the ranks of the others: copies,
+    lost whatever the best row's fate). Ranks are unique: one row of a hash is its best."""
+    order = np.argsort(hashes)
+    hashes, ranks = hashes[order], ranks[order]
+    starts = np.ones(len(hashes), bool)
+    starts[1:] = hashes[1:] != hashes[:-1]
+    if not len(hashes):
+        return {"hash": hashes, "rank": ranks}, ranks
+    best = np.minimum.reduceat(ranks, np.flatnonzero(starts))
+    is_best = ranks == best[np.cumsum(starts) - 1]
+    return {"hash": hashes[starts], "rank": best}, ranks[~is_best]
 
 
 def _scatter(tmp: Path, p: PhashPlan, i: int) -> dict:
     rows = np.load(p.inputs[i])
     if len(rows) and (rows["rank"].min() < 0 or rows["rank"].max() >= p.num_ranks):
         raise ValueError(f"{p.inputs[i]}: a rank outside [0, {p.num_ranks})")
-    best, lost = _best_per_hash(rows)
+    best, lost = _best_per_hash(rows["hash"], rows["rank"])
     save_partitioned(tmp, "best", best, _bucket(best["hash"], p.num_parts), p.num_parts)
-    save_partitioned(tmp, "lost", lost, p.range_of(lost), p.num_parts)
-    return {"rows": len(rows), "hashes": len(best), "lost": len(lost)}
+    save_partitioned(tmp, "lost", {"rank": lost}, p.range_of(lost), p.num_parts)
+    return {"rows": len(rows), "hashes": len(best["hash"]), "lost": len(lost)}
 
 
 def _nodes(tmp: Path, p: PhashPlan, b: int) -> dict:
-    rows = gather(p.folders("scatter"), "best", b, ROW)
-    nodes, lost = _best_per_hash(rows)
-    np.save(tmp / "nodes.npy", nodes)
-    save_partitioned(tmp, "lost", lost, p.range_of(lost), p.num_parts)
-    return {"rows": len(rows), "nodes": len(nodes), "lost": len(lost)}
+    rows = gather(p.folders("scatter"), "best", b, {"hash": np.uint64, "rank": np.int64})
+    nodes, lost = _best_per_hash(rows["hash"], rows["rank"])
+    np.save(tmp / "hash.npy", nodes["hash"])  # sorted: `_ranks_of` finds a hash by bisection
+    np.save(tmp / "rank.npy", nodes["rank"])
+    save_partitioned(tmp, "lost", {"rank": lost}, p.range_of(lost), p.num_parts)
+    return {"rows": len(rows["hash"]), "nodes": len(nodes["hash"]), "lost": len(lost)}
 
 
 def _tables(tmp: Path, p: PhashPlan, pass_: int, b: int) -> dict:
-    nodes = np.load(p.folder("nodes", b) / "nodes.npy")
+    hashes = np.load(p.folder("nodes", b) / "hash.npy")
     blocks, tables = p.layout()
-    ts = p.pass_tables(pass_)
-    num_dest = len(ts) * p.num_parts
-    dest = np.empty(len(nodes) * len(ts), np.uint16 if num_dest <= 2**16 else np.int64)
-    for j, t in enumerate(ts):
-        top = table_key(nodes["hash"], t, blocks, tables) >> np.uint64(32)
-        kp = (top * np.uint64(p.num_parts)) >> np.uint64(32)  # the key's range, by its top bits
-        dest[j * len(nodes) : (j + 1) * len(nodes)] = kp + j * p.num_parts
-    save_partitioned(tmp, "nodes", np.tile(nodes, len(ts)), dest, num_dest)
-    return {"nodes": len(nodes), "tables": len(ts)}
+    for j, t in enumerate(p.pass_tables(pass_)):
+        top = table_key(hashes, t, blocks, tables) >> np.uint64(32)
+        kp = _small((top * np.uint64(p.num_parts)) >> np.uint64(32), p.num_parts)  # key range
+        save_partitioned(tmp, f"table{j}", {"hash": hashes}, kp, p.num_parts)
+    return {"nodes": len(hashes), "tables": len(p.pass_tables(pass_))}
+
+
+def _ranks_of(p: PhashPlan, hashes: np.ndarray) -> np.ndarray:
+    """The node rank of each of `hashes` (all nodes), from its bucket's sorted node file."""
+    bucket = _bucket(hashes, p.num_parts)
+    out = np.empty(len(hashes), np.int64)
+    for b in np.unique(bucket):
+        rows = np.flatnonzero(bucket == b)
+        folder = p.folder("nodes", int(b))
+        at = np.searchsorted(np.load(folder / "hash.npy", mmap_mode="r"), hashes[rows])
+        out[rows] = np.load(folder / "rank.npy", mmap_mode="r")[at]
+    return out
 
 
 def _pairs(tmp: Path, p: PhashPlan, pass_: int, j: int, kp: int) -> dict:
     folders = [p.folder("tables", pass_, b) for b in range(p.num_parts)]
-    nodes = gather(folders, "nodes", j * p.num_parts + kp, ROW)
+    hashes = gather(folders, f"table{j}", kp, {"hash": np.uint64})["hash"]
     blocks, tables = p.layout()
     t = p.pass_tables(pass_)[j]
-    a, b = table_pairs(
-        nodes["hash"], t, blocks, tables, p.max_distance, first_table(blocks, tables)
-    )
-    ra, rb = nodes["rank"][a], nodes["rank"][b]
-    pairs = np.empty(len(a), PAIR)
-    pairs["better"], pairs["worse"] = np.minimum(ra, rb), np.maximum(ra, rb)
+    k, first = p.max_distance, first_table(blocks, tables)
+    a, b = table_pairs(hashes, t, blocks, tables, k, first)
+    # Pairs are few (the true ones and chance ones that pass the check): their ranks are
+    # looked up, so the tables carry 8 bytes a node, not 16.
+    ra, rb = _ranks_of(p, hashes[a]), _ranks_of(p, hashes[b])
+    pairs = {"better": np.minimum(ra, rb), "worse": np.maximum(ra, rb)}
     save_partitioned(tmp, "pairs", pairs, p.range_of(pairs["worse"]), p.num_parts)
-    return {"nodes": len(nodes), "pairs": len(pairs)}
+    return {"nodes": len(hashes), "pairs": len(a)}
 
 
 def _pairs_folders(p: PhashPlan) -> list[Path]:
@@ -195,16 +213,25 @@ def _pairs_folders(p: PhashPlan) -> list[Path]:
 
 def _init(tmp: Path, p: PhashPlan, q: int) -> dict:
     lo, hi = p.bounds(q)
-    lost = gather(p.folders("scatter") + p.folders("nodes"), "lost", q, np.int64)
-    pairs = gather(_pairs_folders(p), "pairs", q, PAIR)
+    lost = gather(p.folders("scatter") + p.folders("nodes"), "lost", q, {"rank": np.int64})["rank"]
+    pairs = gather(_pairs_folders(p), "pairs", q, PAIR_COLUMNS)
     # A rank in no pair and lost to no copy survives (or was never given: not dropped).
     state = np.full(hi - lo, SURVIVES, np.uint8)
     state[lost - lo] = DROPPED
     state[pairs["worse"] - lo] = UNDECIDED
     np.save(tmp / "state.npy", state)
-    np.save(tmp / "open.npy", pairs)
+    _save_pairs(tmp, pairs)
     undecided = int((state == UNDECIDED).sum())
-    return {"lost_exact": len(lost), "pairs": len(pairs), "undecided": undecided}
+    return {"lost_exact": len(lost), "pairs": len(pairs["worse"]), "undecided": undecided}
+
+
+def _save_pairs(folder: Path, pairs: dict) -> None:
+    for column, values in pairs.items():
+        np.save(folder / f"open.{column}.npy", values)
+
+
+def _load_pairs(folder: Path) -> dict:
+    return {column: np.load(folder / f"open.{column}.npy") for column in PAIR_COLUMNS}
 
 
 def _states(p: PhashPlan, ranks: np.ndarray, sources: tuple[int, ...]) -> np.ndarray:
@@ -223,7 +250,7 @@ def _states(p: PhashPlan, ranks: np.ndarray, sources: tuple[int, ...]) -> np.nda
 
 def _round(tmp: Path, p: PhashPlan, r: int, q: int, sources: tuple[int, ...]) -> dict:
     own = p.folder("rounds", sources[q], q)
-    state, pairs = np.load(own / "state.npy"), np.load(own / "open.npy")
+    state, pairs = np.load(own / "state.npy"), _load_pairs(own)
     from_state = _states(p, pairs["better"], sources)
     worse = pairs["worse"] - p.bounds(q)[0]
     has_survivor = np.zeros(len(state), bool)
@@ -234,10 +261,10 @@ def _round(tmp: Path, p: PhashPlan, r: int, q: int, sources: tuple[int, ...]) ->
     # A pair matters while its worse end is undecided and its better end is not dropped.
     still = (state[worse] == UNDECIDED) & (from_state != DROPPED)
     np.save(tmp / "state.npy", state)
-    np.save(tmp / "open.npy", pairs[still])
+    _save_pairs(tmp, {column: values[still] for column, values in pairs.items()})
     undecided = int((state == UNDECIDED).sum())
     return {
-        "pairs": len(pairs),
+        "pairs": len(worse),
         "settled": settled,
         "open": int(still.sum()),
         "undecided": undecided,
