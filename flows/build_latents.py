@@ -27,15 +27,16 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
 from flows import pools
-from flows.cluster import Cluster, ClusterError, cluster_address
-from flows.devices import Devices, read_ahead, warm_file
+from flows.cluster import ClusterError
+from flows.devices import read_ahead, warm_file
+from flows.executor import Executor, executor
 from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
 from tasks.curation import filter, score, selection, views
 from tasks.curation.score import ScoringWeightsError
 from tasks.latents import encode, hf_export, images, tokenize
 from tasks.runtime import concurrency, shards
-from tasks.runtime.node import Node, local_node
+from tasks.runtime.node import Node
 from tasks.runtime.shards import read_stats, summarize
 from tasks.sources import adapters, demo_source, fetch_images, metadata
 from tasks.sources.table import SourceError
@@ -117,15 +118,14 @@ def build_latents(
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
-        node = local_node(workers)
+        concurrency.workers(workers)
     except ValueError as e:  # workers=0, SDPIPE_WORKERS=abc: the message says what it expects
         logger.error(str(e))
         return Failed(message=str(e))
-    address = cluster_address(cluster)
     try:
         catalog, src = preflight(source, root)
-        with _cluster(address, workers) as nodes:
-            run_source(root, catalog, src, hf_dataset=hf_dataset, node=node, cluster=nodes)
+        with executor(cluster, workers) as nodes:
+            run_source(root, catalog, src, nodes, hf_dataset=hf_dataset)
     except (CatalogError, SourceError, ScoringWeightsError, StageFailed, ClusterError) as e:
         logger.error(str(e))
         return Failed(message=str(e))
@@ -136,13 +136,6 @@ def build_latents(
         description=f"build-latents {source}: samples per stage",
     )
     return summary
-
-
-def _cluster(address: str | None, workers: int | None):
-    """The run's cluster (its nodes' agents started), or nothing for a one-node run."""
-    if address is None:
-        return contextlib.nullcontext()
-    return Cluster(address, workers=workers)
 
 
 def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[str, int]:
@@ -168,35 +161,24 @@ def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[st
 class _Run:
     """The stages of one source's build: what failed so far, and the barriers it blocks."""
 
-    def __init__(self, root: Path, src: Source, node: Node, cluster: Cluster | None = None):
-        self.root, self.name, self.node = root, src.name, node
-        self.cluster = cluster
+    def __init__(self, root: Path, src: Source, nodes: Executor):
+        self.root, self.name, self.nodes = root, src.name, nodes
+        # Each node's limits (on a cluster summed: every node at its one-node pace).
         archive = src.kind in ("archive", "folder")
-        if cluster is None:
-            self.limits = stage_limits(node.workers, len(node.devices), archive=archive)
-        else:  # each node's limits, summed: every node at its one-node pace
-            self.limits = cluster.limits(functools.partial(stage_limits, archive=archive))
+        self.limits = nodes.limits(functools.partial(stage_limits, archive=archive))
         self.stages = StageRun(root, src.name)
         self.failures: list[str] = []
         self.permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
         self.scorer_identity: dict | None = None  # the score stage's (`score.scorer_identity`)
 
     def remote(self, stage_name: str, unit, shard: str):
-        """A per-shard unit of a CPU stage (`unit(node)`), run on this node, or on a node of the
-        cluster when there is one."""
-        if self.cluster is None:
-            return functools.partial(unit, self.node)
-        return self.cluster.unit(stage_name, unit, shard)
+        """A per-shard unit of a CPU stage (`unit(node)`), run on a node of the executor's."""
+        return self.nodes.unit(stage_name, unit, shard)
 
     def devices(self, stage_name: str, name: str, serve, release):
-        """A GPU stage's workers (`serve(node, device, shards)`): one per device of this node,
-        or of every node of the cluster."""
-        if self.cluster is None:
-            node = self.node
-            return Devices(
-                name, functools.partial(serve, node), lanes=len(node.devices), release=release
-            )
-        return self.cluster.devices(stage_name, name, serve, release)
+        """A GPU stage's workers (`serve(node, device, shards)`): one per device of each of the
+        executor's nodes."""
+        return self.nodes.devices(stage_name, name, serve, release)
 
     def stage(
         self,
@@ -249,30 +231,17 @@ def run_source(
     root: Path,
     catalog: Catalog,
     src: Source,
+    nodes: Executor,
     *,
     hf_dataset: bool = False,
-    node: Node | None = None,
-    cluster: Cluster | None = None,
 ) -> None:
+    """Every stage of `src` on the executor's nodes (`flows.executor`: this node, or a Ray
+    cluster's)."""
     name = src.name
     profile = catalog.profile(src.profile)
     model = catalog.model(src.model)
-    node = node or local_node()
-    run = _Run(root, src, node, cluster)
-    if cluster is None:
-        get_run_logger().info(
-            "build-latents %s: %d workers, devices %s",
-            name,
-            node.workers,
-            ", ".join(node.devices),
-        )
-    else:
-        get_run_logger().info(
-            "build-latents %s on the Ray cluster at %s: %s",
-            name,
-            cluster.address,
-            cluster.describe(),
-        )
+    run = _Run(root, src, nodes)
+    get_run_logger().info("build-latents %s on %s", name, nodes.describe())
     scored, scorer = bool(profile.scorer), None
     if scored:
         spec = catalog.scorer(profile.scorer)

@@ -292,7 +292,7 @@ class Cluster:
         return task.remote(node.dead)
 
     def describe(self) -> str:
-        return ", ".join(
+        return f"the Ray cluster at {self.address}: " + ", ".join(
             f"{n.name} ({n.budget} workers, {n.devices} device{'s' * (n.devices > 1)})"
             for n in self.nodes
         )
