@@ -4,14 +4,15 @@ fetch-images' downloaders (tasks/sources/fetch_images.py), calls in processes (c
 
 A pool given the node's `Slots` (tasks/runtime/node.py) starts a worker only under a slot it
 holds and gives the slot back once the worker has exited: a lane with no worker asks for a
-slot only while requests wait, and gives its slot back when another kind of pool waits for
-one and this lane is idle, or holds more than its kind's share (`Slots.should_yield`).
+slot only while requests wait, and gives its slot back when another kind of pool waits with
+less than its share (`Slots.should_yield`).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,7 @@ class Lanes:
 
     def _serve_in_slots(self, slots: Slots) -> None:
         worker, holding, first = None, False, self.eager
+        idle_since: float | None = None
         try:
             while True:
                 if not holding:
@@ -103,13 +105,14 @@ class Lanes:
                         if self.closing and not self.pending:
                             return
                     slots.acquire(self.kind)
-                    holding = True
+                    holding, idle_since = True, time.monotonic()
                     if first:
                         worker, first = self._first_worker(), False
                 try:
                     task = self.tasks.get(timeout=POLL_S)
                 except queue.Empty:
-                    if self.closing or slots.should_yield(self.kind, idle=True):
+                    idle_s = time.monotonic() - idle_since
+                    if self.closing or slots.should_yield(self.kind, idle_s=idle_s):
                         worker, holding = self._give_back(worker, slots)
                     continue
                 if task is None:
@@ -117,7 +120,8 @@ class Lanes:
                 with self.cond:
                     self.pending -= 1
                 worker = self._one(worker, task)
-                if slots.should_yield(self.kind, idle=False):
+                idle_since = time.monotonic()
+                if slots.should_yield(self.kind, idle_s=None):
                     worker, holding = self._give_back(worker, slots)
         finally:
             if worker is not None:

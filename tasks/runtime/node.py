@@ -23,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 from tasks.runtime import concurrency
 
 EXTRA = 2  # processes over the budget, at most: one per kind of pool that holds none
+IDLE_S = 2.0  # an idle worker over its kind's floor share leaves to a kind below its share
 
 
 def local_gpus() -> int:
@@ -55,8 +56,8 @@ class Slots:
     A kind is granted a slot while fewer than `total` are held and it holds less than its
     share (`total` over the kinds that hold or want slots, rounded up), or, holding none, while
     fewer than `total + EXTRA` are: so every kind of work has a process, and never more than
-    `total + EXTRA` live. A kind alone has all `total`. Holders give slots back when others
-    wait (`should_yield`): at once when idle, after their request when over their share."""
+    `total + EXTRA` live. A kind alone has all `total`. Holders give slots back to kinds that
+    wait with less than their share (`should_yield`)."""
 
     def __init__(self, total: int):
         self.total = total
@@ -94,13 +95,24 @@ class Slots:
             self.held[kind] -= 1
             self.cond.notify_all()
 
-    def should_yield(self, kind: str, *, idle: bool) -> bool:
-        """Whether a holder of `kind` gives its slot back now: another kind waits, and this one
-        is idle or holds more than its floor share."""
+    def _floor(self, kind: str) -> int:
+        return max(1, self.total // self._kinds(kind))
+
+    def should_yield(self, kind: str, *, idle_s: float | None) -> bool:
+        """Whether a holder of `kind` gives its slot back now (`idle_s`: how long it has had
+        nothing to do; None: it is busy). To a kind that waits below its floor share (the
+        budget over the kinds at work, rounded down, at least 1): at once when idle, after its
+        request when it holds more than its own floor. To a kind that waits below its share:
+        when idle for IDLE_S and over its floor. A worker can cost seconds of imports to start
+        again, so a kind that has its floor takes nothing from a busy one."""
         with self.cond:
-            if not any(n for k, n in self.waiting.items() if k != kind):
+            others = [k for k, n in self.waiting.items() if n and k != kind]
+            if not others:
                 return False
-            return idle or self.held[kind] > max(1, self.total // self._kinds(kind))
+            over = self.held[kind] > self._floor(kind)
+            if any(self.held[k] < self._floor(k) for k in others):
+                return idle_s is not None or over
+            return over and idle_s is not None and idle_s >= IDLE_S
 
     def in_use(self) -> dict[str, int]:
         with self.cond:
