@@ -33,7 +33,10 @@ class Lanes:
     ):
         """`eager`: start every worker process now, not at its first request. `slots`: the
         node's process slots, under which its workers live (None: as many as `num_workers`)."""
-        self.eager, self.slots, self.kind = eager, slots, name
+        self.eager, self.slots = eager, slots
+        # Slots are shared out per pool: a kind's idle pool of one size must not keep its
+        # slots from the same kind's pool of another size (a fetch pool of 1 and one of 2).
+        self.kind = f"{name}/{num_workers}"
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0  # requests queued, not taken by a lane yet
         self.closing = False
@@ -61,6 +64,14 @@ class Lanes:
             self.tasks.put(None)
         for t in self.threads:
             t.join()
+        # What no lane took (its lanes gave up waiting for a slot): cancelled, not left hanging.
+        while True:
+            try:
+                task = self.tasks.get_nowait()
+            except queue.Empty:
+                return
+            if task is not None:
+                task[0].cancel()
 
     def _start(self):
         raise NotImplementedError
@@ -104,7 +115,8 @@ class Lanes:
                             self.cond.wait()
                         if self.closing and not self.pending:
                             return
-                    slots.acquire(self.kind)
+                    if not slots.acquire(self.kind, give_up=lambda: self.closing):
+                        return
                     holding, idle_since = True, time.monotonic()
                     if first:
                         worker, first = self._first_worker(), False

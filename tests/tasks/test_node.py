@@ -77,3 +77,34 @@ def test_overlapping_pools_stay_within_the_budget_and_all_finish(tmp_path):
     assert max(live) <= 2 + EXTRA, max(live)
     assert node.slots.peak <= 2 + EXTRA
     assert node.slots.in_use() == {}  # closed: every slot back
+
+
+def test_a_pool_closes_while_its_lanes_wait_for_slots():
+    """A pool whose lanes wait for slots other kinds hold still closes (its lanes give up)."""
+    node = Node(1)
+    for kind in ("a", "b", "c")[: 1 + EXTRA]:  # every slot held, by other kinds
+        node.slots.acquire(kind)
+    pool = images.shared_pool(node)
+    pending = pool.submit([], 8)  # a lane now waits for a slot
+    time.sleep(0.3)
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert pending.cancelled()  # not left waiting
+
+
+def test_an_idle_pool_gives_its_slots_to_a_pool_of_the_same_kind_and_another_size():
+    node = Node(2)
+    small = images.DecodePool(1, slots=node.slots, kind="repack")
+    big = images.DecodePool(2, slots=node.slots, kind="repack")
+    calls = node.pool("call", 2, CallPool)
+    try:
+        assert small.submit([], 8).result(timeout=60)[0] == []
+        assert calls.submit(os.getpid).result(timeout=60)
+        # Every slot is held now by the idle pools above; the other size still gets on.
+        assert all(f.result(timeout=60)[0] == [] for f in [big.submit([], 8) for _ in range(4)])
+    finally:
+        for pool in (small, big):
+            pool.close()
+        node.close()
