@@ -42,12 +42,19 @@ SEMANTIC_GOALS = {"seconds": 300, "agreement": 1.0}  # at 1M x 768, CPU
 
 def planted_hashes(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, int]:
     """(hashes, number of planted near copies): uniform, 1% near copies, 0.5% one blank."""
+    hashes, copies, _ = planted_copies(n, k, seed)
+    return hashes, copies.size
+
+
+def planted_copies(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`planted_hashes`'s hashes, with the rows of its copies and of their originals."""
     rng = np.random.default_rng(seed)
     hashes = rng.integers(0, 2**64, n, dtype=np.uint64)
     copies = rng.choice(n, n // 100, replace=False)
-    hashes[copies] = hashes[rng.integers(0, n, copies.size)] ^ flips(rng, copies.size, 64, k)
+    originals = rng.integers(0, n, copies.size)
+    hashes[copies] = hashes[originals] ^ flips(rng, copies.size, 64, k)
     hashes[rng.choice(n, n // 200, replace=False)] = 0  # a blank image, many times over
-    return hashes, copies.size
+    return hashes, copies, originals
 
 
 def flips(rng: np.random.Generator, n: int, positions, most: int) -> np.ndarray:

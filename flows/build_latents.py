@@ -196,9 +196,9 @@ class _Run:
         self.permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
         self.scorer_identity: dict | None = None  # the score stage's (`score.scorer_identity`)
 
-    def remote(self, stage_name: str, unit):
+    def remote(self, stage_name: str, unit, shard: str):
         """A per-shard unit of a CPU stage, run on a node of the cluster when there is one."""
-        return unit if self.cluster is None else self.cluster.unit(stage_name, unit)
+        return unit if self.cluster is None else self.cluster.unit(stage_name, unit, shard)
 
     def devices(self, stage_name: str, name: str, serve, release):
         """A GPU stage's workers: one per device of this node, or of every node of the
@@ -346,7 +346,7 @@ def run_source(
         if hf_dataset:
             tokens.on_end(lambda _: _export_hf(run))
         for s in shard_names:
-            tokens.add(s, run.remote("tokens", _tokenize_unit(root, name, s, node_budget)))
+            tokens.add(s, run.remote("tokens", _tokenize_unit(root, name, s, node_budget), s))
         tokens.seal()
         run.stages.wait()
     for d in datasets:
@@ -473,7 +473,9 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
         "metadata",
         {
             f"{i:05d}": run.remote(
-                "metadata", functools.partial(metadata.fetch_metadata_shard, root, src, i, f)
+                "metadata",
+                functools.partial(metadata.fetch_metadata_shard, root, src, i, f),
+                f"{i:05d}",
             )
             for i, f in enumerate(files)
         },
@@ -510,6 +512,7 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
                 allow_private_hosts=src.allow_private_hosts,
                 **fetch_images.fetch_limits(src.options),
             ),
+            s,
         )
         for s in shard_names
     }
@@ -528,7 +531,7 @@ def archive_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
     )
     budget = run.budget if run.cluster is None else None
     units = {
-        s: run.remote("shards", functools.partial(_repack, run.root, src, adapter, s, budget))
+        s: run.remote("shards", functools.partial(_repack, run.root, src, adapter, s, budget), s)
         for s in adapters.shard_names(run.root, src.name)
     }
     return _fetch_then_score(run, units, scorer)

@@ -7,13 +7,11 @@ typo fails in a second rather than after a server starts.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from catalog import CatalogError, load_catalog
+from flows.local import prefect_api  # the data root's own server, or PREFECT_API_URL
 from tasks.runtime.shards import data_root
 
 
@@ -42,42 +40,6 @@ def _user_errors() -> tuple[type[Exception], ...]:
         ScoringWeightsError,
         *EVAL_ERRORS,
     )
-
-
-@contextlib.contextmanager
-def prefect_api(root: Path) -> Iterator[str]:
-    """The Prefect API this command's flow runs report to: PREFECT_API_URL (or a Prefect
-    profile's) when set, else the data root's local server (`flows.local.ensure_local_api`:
-    the one `make demo` left running, started as it starts it when none is up), so every run
-    shows on one dashboard and no throwaway server per command races its startup timeout.
-    Set for this process and the processes it starts, until the block ends."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    # The environment first: Prefect's settings are read once, when it is first imported, and
-    # miss a PREFECT_API_URL set after that (a test's session server, a wrapper script).
-    if configured := os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value():
-        yield configured
-        return
-    from flows import local
-
-    url, started = local.ensure_local_api(root)
-    if started:
-        print(
-            f"started a Prefect server on {url} for {root} (dashboard "
-            f"{url.removesuffix('/api')}; sdpipe stop stops it)",
-            file=sys.stderr,
-            flush=True,
-        )
-    saved = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = url
-    try:
-        with temporary_settings({PREFECT_API_URL: url}):
-            yield url
-    finally:
-        if saved is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = saved
 
 
 def cmd_catalog(args: argparse.Namespace) -> None:

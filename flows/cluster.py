@@ -5,22 +5,25 @@ else `RAY_ADDRESS`), the flow run stays where it is, with one Prefect task run p
 cache key, record, retries, "rerun only the failed shards", the dashboard's counts); only each
 shard's work moves, to a node of the cluster. Without a cluster nothing changes.
 
-Each node of the cluster with CPUs runs one `NodeAgent` for the flow run: a Ray actor pinned to
-the node (node affinity, not soft), holding the node's GPUs, with the node's settings in its
-environment (`SDPIPE_WORKERS`: the node's worker budget, the flow's `workers` or the node's
-CPUs; `SDPIPE_NODE`: its name in records; `SDPIPE_GPU_POOL`: its GPU pool). In that one process
-live what one node's stages keep between shards, exactly as in a one-node flow run: the fetch
-pool (img2dataset downloader processes), the decode pool (repack, encode's decoders), tokenize's
-processes, and for score and encode one long-lived worker per GPU (`flows.devices.Devices`,
-built in the agent: the node's GPUs, its pool's slots and device locks). Per stage, a shard goes
-to the node with the most room under that node's own limit (`stage_limits` of its budget and
-devices), so every node works at its one-node pace.
+Each node of the cluster with CPUs runs one CPU `NodeAgent` for the flow run: a Ray actor
+pinned to the node (node affinity, not soft), asking Ray for no CPUs and no GPUs, with the
+node's settings in its environment (`SDPIPE_WORKERS`: the node's worker budget, the flow's
+`workers` or the node's CPUs; `SDPIPE_NODE`: its name in records; `SDPIPE_GPU_POOL`: its GPU
+pool). In it live what one node's CPU stages keep between shards, as in a one-node run: the
+fetch pool, the decode pool, tokenize's processes. A GPU stage (score, encode) gets its own
+agent per node at its first shard there, holding the node's GPUs and its `Devices` (one
+long-lived worker per GPU), ended by `close_stage`: GPUs are held only while the stage runs.
+Per stage, a shard goes to the node with the most room under that node's own limit
+(`stage_limits` of its budget and devices); a node that joins mid-run gets an agent and adds
+its limits. Waiting for an agent to start says so and who holds the node, and fails after
+`SDPIPE_CLUSTER_WAIT_S` (flows/cluster_agents.py); the run's demand goes to Ray's autoscaler.
 
-A lost node costs only its shards: a call on an agent whose node died raises `RayActorError`;
-the shard's task run (still running, in the flow's process) then hands the shard to another
-node, and the node is left out for the rest of the run. Outputs are written under temporary
-names and renamed into place (sdtrain/atomic.py), so a shard the lost node was writing leaves
-nothing a rerun trusts; finished shards have their records and are never redone.
+A dead agent is not a lost node: Ray is asked whether the node is alive. A lost node costs only
+its shards (their task runs hand them to other nodes; the node is left out). On a live node a
+fresh agent, after killing what the dead one left, runs each shard that was in flight alone;
+a shard that kills `POISON_DEATHS` agents running it alone fails naming how they died, and the
+other shards go on. Outputs are written under temporary names and renamed into place, so a
+shard a dead agent was writing leaves nothing a rerun trusts.
 
 The data root must be one path on every node (a shared filesystem), as for the workers of
 docs/scale-out.md; so must the code (the agents import the checkout the flow runs from).
@@ -33,26 +36,43 @@ import functools
 import logging
 import os
 import threading
+import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+from flows.cluster_agents import (
+    CLEAR_S,
+    CPU,
+    POLL_S,
+    ClusterError,
+    Node,
+    NodeAgent,
+    NodeGone,
+    Seat,
+    ShardKilledAgent,
+    clear_task,
+    how_it_died,
+    names,
+    tell,
+    usable,
+    wait_ready,
+    who,
+)
 from tasks.runtime.net import node_env
 from tasks.runtime.ray_connect import connect, disconnect
-from tasks.runtime.shards import ShardStats, current_node
+from tasks.runtime.shards import ShardStats
 
 log = logging.getLogger(__name__)
 
 # A shard task's call on an agent waits as long as its work takes (a GPU shard waits for its
 # lane): no timeout here; a lost node ends the call with RayActorError.
 AGENT_CONCURRENCY = 1024
+NODES_EVERY_S = 2.0  # how often a shard's pick reads Ray's node list for nodes that joined
+POISON_DEATHS = 2  # a shard fails once it killed this many agents that ran it alone
 
-
-class ClusterError(Exception):
-    """The cluster cannot run the build (no address answers, no node has CPUs, every node was
-    lost); the message says which and what to do. A retry of the flow run cannot fix it while
-    the cluster stays as it is."""
+__all__ = ["Cluster", "ClusterError", "ShardKilledAgent", "cluster_address", "train_on_nodes"]
 
 
 def cluster_address(cluster: str | None) -> str | None:
@@ -88,126 +108,146 @@ def train_on_nodes(config, *, nodes: int, cluster: str, on_line) -> dict:
     )
 
 
-class NodeAgent:
-    """One node's worker for one build-latents run (a Ray actor; see the module docstring)."""
-
-    def __init__(self, env: dict[str, str]):
-        os.environ.update(env)
-        self.devices: dict[str, Any] = {}
-        self.lock = threading.Lock()
-
-    def ready(self) -> dict:
-        from flows import pools
-
-        return {"node": current_node(), "pid": os.getpid(), "devices": pools.node_devices()}
-
-    def run(self, unit: Callable[[], ShardStats]) -> ShardStats:
-        """One shard's unit of a CPU stage (fetch, repack, tokenize), in this process."""
-        return unit()
-
-    def serve(self, stage: str, name: str, serve, release, shard: str) -> ShardStats:
-        """One shard of a GPU stage (score, encode) through this node's `Devices` for it: one
-        worker per device, its model built once, kept for the stage's later shards."""
-        from flows.devices import Devices
-
-        with self.lock:
-            devices = self.devices.get(stage)
-            if devices is None:
-                devices = self.devices[stage] = Devices(name, serve, release=release)
-        return devices.run(shard)
-
-    def close(self, stage: str) -> None:
-        """The stage has no more shards: its workers give their devices back."""
-        with self.lock:
-            devices = self.devices.pop(stage, None)
-        if devices is not None:
-            devices.close()
-
-
-@dataclass
-class Node:
-    """A node of the cluster as the flow sees it."""
-
-    name: str
-    node_id: str
-    index: int
-    budget: int  # its worker budget (SDPIPE_WORKERS there)
-    devices: int  # GPU lanes (GPUs; 1 on a node without: `cpu:0`)
-    agent: Any = None
-    lost: str | None = None  # why it was left out
-    running: Counter = field(default_factory=Counter)  # per stage, shards it works on now
-
-
-def _names(nodes: list[dict]) -> list[str]:
-    """Each node's name: its host name, with its Ray node id's start where several nodes share
-    a host (several raylets on one machine)."""
-    hosts = Counter(n["NodeManagerHostname"] for n in nodes)
-    return [
-        n["NodeManagerHostname"]
-        if hosts[n["NodeManagerHostname"]] == 1
-        else f"{n['NodeManagerHostname']}-{n['NodeID'][:6]}"
-        for n in nodes
-    ]
-
-
 class Cluster:
     """The nodes of a Ray cluster working for one build-latents run; see the module docstring.
 
-    `unit(stage, fn)`: a stand-in for the shard unit `fn` that runs it on a node;
+    `unit(stage, fn, shard)`: a stand-in for the shard unit `fn` that runs it on a node;
     `devices(stage, name, serve, release)`: a stand-in for a `Devices` of the GPU stage that
     deals each shard to a node's. `limits(...)`: per stage, the shard task runs at once, the
-    sum of every node's."""
+    sum of every live node's (read at each call: nodes join and leave)."""
 
     def __init__(self, address: str, *, workers: int | None = None):
         self.address = address
+        self.workers = workers
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
         self.per_node: dict[str, dict[str, int]] = {}
+        self.node_limits: Callable[[int, int], dict[str, int]] | None = None
         self.turns: Counter = Counter()
         self.nodes: list[Node] = []
+        self.run_id, self.who = uuid.uuid4().hex[:12], who()
+        self.launched = 0  # agents started: each one's mark is unique
+        self.listed_at = 0.0  # when Ray's node list was last read for nodes that joined
+        self.saturated = False  # a pick found every node at its limit: more shards wait
+        self.demand: list[dict] | None = None  # the bundles asked of Ray's autoscaler
         # This cluster, or an error naming why not (another one already connected, its token).
         self.connected = connect(
             address, error=ClusterError, log_to_driver=False, logging_level=logging.WARNING
         )
         try:
-            self._start(workers)
+            self._start()
         except BaseException:
             self.shutdown()
             raise
 
-    def _start(self, workers: int | None) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= 1]
+    def _start(self) -> None:
+        listed = self._listed()
+        alive = [n for n in listed if usable(n)]
         if not alive:
             raise ClusterError(
                 f"the Ray cluster at {self.address} has no live node with CPUs: start its "
                 "worker nodes (`ray start --address HEAD:6379`)"
             )
-        env = forwarded_env()
-        remote = ray.remote(NodeAgent)
-        nodes = self.nodes
-        for name, n in zip(_names(alive), alive, strict=True):
-            gpus = int(n["Resources"].get("GPU", 0))
-            budget = workers or int(n["Resources"]["CPU"])
-            node_env = {
-                **env,
-                "SDPIPE_WORKERS": str(budget),
-                "SDPIPE_NODE": name,
-                "SDPIPE_GPU_POOL": os.environ.get("SDPIPE_GPU_POOL") or name,
-            }
-            node = Node(name, n["NodeID"], len(nodes), budget, max(1, gpus))
-            node.agent = remote.options(
+        self.env = forwarded_env()
+        with self.lock:
+            for n in alive:
+                self._join(n, listed)
+        for node in list(self.nodes):
+            self._ready(node.seats[CPU])
+        self.listed_at = time.monotonic()
+
+    def _listed(self) -> list[dict]:
+        import ray
+
+        return ray.nodes()
+
+    def _join(self, n: dict, listed: list[dict]) -> Node:
+        """A node of Ray's list into the run: its CPU agent started (under the lock)."""
+        name = dict(zip((m["NodeID"] for m in listed), names(listed), strict=True))[n["NodeID"]]
+        if any(m.name == name for m in self.nodes):  # a second raylet on a known host
+            name = f"{n['NodeManagerHostname']}-{n['NodeID'][:6]}"
+        budget = self.workers or int(n["Resources"]["CPU"])
+        env = {
+            **self.env,
+            "SDPIPE_WORKERS": str(budget),
+            "SDPIPE_NODE": name,
+            "SDPIPE_GPU_POOL": os.environ.get("SDPIPE_GPU_POOL") or name,
+        }
+        node = Node(
+            name, n["NodeID"], len(self.nodes), budget, int(n["Resources"].get("GPU", 0)), env
+        )
+        if self.node_limits is not None:
+            self.per_node[name] = self.node_limits(node.budget, node.devices)
+        node.seats[CPU] = seat = Seat(node, CPU)
+        self._launch(seat)
+        self.nodes.append(node)
+        return node
+
+    def _launch(self, seat: Seat) -> None:
+        """A fresh agent for the seat (under the lock): it first clears what the node's dead
+        agents left there. Its `ready` is waited on by the shards that go to it."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = seat.node
+        self.launched += 1
+        seat.mark = f"{self.run_id}-{self.launched}"
+        gpus = 0 if seat.role == CPU else node.gpus  # GPUs only while a GPU stage runs
+        dead, node.dead = node.dead, []
+        seat.agent = (
+            ray.remote(NodeAgent)
+            .options(
+                name=f"sdpipe {self.who} {seat.role} {node.name} {seat.mark}",
                 num_cpus=0,
                 num_gpus=gpus,
                 max_concurrency=AGENT_CONCURRENCY,
                 max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
-                runtime_env={"env_vars": node_env},
-            ).remote(node_env)
-            nodes.append(node)
-        for node, info in zip(nodes, ray.get([n.agent.ready.remote() for n in nodes]), strict=True):
-            log.info("node %s: %d workers, devices %s", node.name, node.budget, info["devices"])
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+                runtime_env={"env_vars": node.env},
+            )
+            .remote(node.env, seat.mark, dead)
+        )
+        seat.ready = seat.agent.ready.remote()
+        seat.used = False
+
+    def _ready(self, seat: Seat) -> None:
+        """Wait (with the deadline, saying so) until the seat's agent has started."""
+        ref, node = seat.ready, seat.node
+        if ref is None:
+            return
+        gpus = f" with its {node.gpus} GPU(s)" if seat.role != CPU and node.gpus else ""
+        info = wait_ready(
+            ref,
+            f"the {seat.role} agent of node {node.name}{gpus}",
+            node.node_id,
+            functools.partial(self._alive, node.node_id),
+            self._own,
+        )
+        with self.lock:
+            if seat.ready is ref:
+                seat.ready = None
+                log.info(
+                    "node %s: %s agent up, %d workers, devices %s%s",
+                    node.name,
+                    seat.role,
+                    node.budget,
+                    info["devices"],
+                    f", {info['cleared']} processes of a dead agent cleared"
+                    if info["cleared"]
+                    else "",
+                )
+
+    def _alive(self, node_id: str) -> bool:
+        return any(n["NodeID"] == node_id and n["Alive"] for n in self._listed())
+
+    def _own(self) -> set[str]:
+        with self.lock:
+            return {
+                s.agent._actor_id.hex()
+                for n in self.nodes
+                for s in n.seats.values()
+                if s.agent is not None
+            }
 
     def __enter__(self) -> Cluster:
         return self
@@ -216,15 +256,38 @@ class Cluster:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """End the agents (their pools and workers with them), and disconnect if this opened
-        the connection."""
+        """End the agents (their pools and workers with them), clear what dead agents left on
+        live nodes, withdraw the run's demand, and disconnect if this opened the connection."""
         import ray
 
+        if not ray.is_initialized():
+            return
         for node in self.nodes:
-            if node.agent is not None:
-                ray.kill(node.agent, no_restart=True)
+            for seat in node.seats.values():
+                if seat.agent is not None:
+                    with contextlib.suppress(Exception):
+                        ray.kill(seat.agent, no_restart=True)
+        clears = [self._clear(n) for n in self.nodes if n.dead and n.lost is None]
+        if clears:
+            ray.wait(clears, num_returns=len(clears), timeout=CLEAR_S)
+        if self.demand:
+            from ray.autoscaler.sdk import request_resources
+
+            with contextlib.suppress(Exception):
+                request_resources(bundles=[])
         if self.connected:
             disconnect()
+
+    def _clear(self, node: Node):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        task = ray.remote(clear_task).options(
+            num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            runtime_env={"env_vars": node.env},
+        )
+        return task.remote(node.dead)
 
     def describe(self) -> str:
         return ", ".join(
@@ -234,91 +297,241 @@ class Cluster:
 
     # ---- stage limits --------------------------------------------------------------------
 
-    def limits(self, limits: Callable[[int, int], dict[str, int]]) -> dict[str, int]:
-        """Per stage, the sum over the nodes of `limits(budget, devices)`, each node's limits
-        as a one-node run of it would have them (kept: a node takes at most its own)."""
-        self.per_node = {n.name: limits(n.budget, n.devices) for n in self.nodes}
-        total: Counter = Counter()
-        for per_node in self.per_node.values():
-            total.update(per_node)
-        return dict(total)
+    def limits(self, limits: Callable[[int, int], dict[str, int]]) -> dict[str, Callable]:
+        """Per stage, a function giving the sum over the live nodes of `limits(budget,
+        devices)`, each node's limits as a one-node run of it would have them (kept: a node
+        takes at most its own); a node that joins adds its own."""
+        with self.lock:
+            self.node_limits = limits
+            self.per_node = {n.name: limits(n.budget, n.devices) for n in self.nodes}
+            stages = {s for per_node in self.per_node.values() for s in per_node}
+        return {s: functools.partial(self.limit, s) for s in sorted(stages)}
+
+    def limit(self, stage: str) -> int:
+        """The stage's shard task runs at once now: at least 1, so that a stage whose nodes
+        were all lost still tries one and fails saying so."""
+        with self.lock:
+            live = [n for n in self.nodes if n.lost is None]
+            return max(1, sum(self.per_node.get(n.name, {}).get(stage, 1) for n in live))
 
     # ---- dispatch ------------------------------------------------------------------------
 
-    def unit(self, stage: str, fn: Callable[[], ShardStats]) -> Callable[[], ShardStats]:
-        """`fn` (a shard's unit of a CPU stage) as a callable that runs it on a node."""
-        return functools.partial(self._call, stage, lambda agent: agent.run.remote(fn))
+    def unit(
+        self, stage: str, fn: Callable[[], ShardStats], shard: str = ""
+    ) -> Callable[[], ShardStats]:
+        """`fn` (the unit of `shard` of a CPU stage) as a callable that runs it on a node."""
+        return functools.partial(self._call, stage, CPU, lambda agent: agent.run.remote(fn), shard)
 
     def devices(self, stage: str, name: str, serve, release=None) -> ClusterDevices:
         return ClusterDevices(self, stage, name, serve, release)
 
-    def _pick(self, stage: str) -> Node:
-        """The live node with the most room for one more shard of `stage` (free slots under
-        its limit, then the fewest running); fails when every node was lost."""
-        with self.lock:
-            live = [n for n in self.nodes if n.lost is None]
-            if not live:
-                lost = "; ".join(f"{n.name}: {n.lost}" for n in self.nodes)
-                raise ClusterError(
-                    f"every node of the Ray cluster at {self.address} was lost ({lost}): "
-                    "bring nodes back and rerun the flow run (finished shards are kept)"
-                )
+    def _take(self, stage: str, role: str, suspect: Seat | None) -> tuple[Seat, bool]:
+        """The seat a shard goes to, and whether it runs there alone. A suspect (it was in
+        flight when an agent died) waits for its seat to be idle and runs alone on a fresh
+        agent; any other shard goes to the live node with the most room for one more shard of
+        `stage` (free slots under its limit, then the fewest running) whose seat has no
+        suspects to run. Fails when every node was lost."""
+        with self.changed:
+            while True:
+                self._refresh()
+                if suspect is not None and suspect.node.lost is None:
+                    seat = suspect
+                    if seat.solo or seat.busy:
+                        self.changed.wait(POLL_S)
+                        continue
+                    seat.solo = True
+                    if seat.agent is None or seat.used:
+                        self._kill(seat)
+                        self._launch(seat)
+                    return self._seat(seat, stage), True
+                seat = self._pick(stage, role)
+                if seat is not None:
+                    if seat.agent is None:
+                        self._launch(seat)
+                    return self._seat(seat, stage), False
+                self.changed.wait(POLL_S)  # every live node runs suspects: soon free
 
-            turn, count = self.turns[stage], len(self.nodes)
+    def _seat(self, seat: Seat, stage: str) -> Seat:
+        seat.busy += 1
+        seat.used = True
+        seat.node.running[stage] += 1
+        return seat
 
-            def room(n: Node) -> tuple:
-                limit = max(1, self.per_node.get(n.name, {}).get(stage, 1))
-                # Ties in turn, so shards spread over the nodes whatever order they finish in.
-                return (
-                    n.running[stage] - limit,
-                    n.running[stage] / limit,
-                    (n.index - turn) % count,
-                )
+    def _pick(self, stage: str, role: str) -> Seat | None:
+        live = [n for n in self.nodes if n.lost is None]
+        if not live:
+            lost = "; ".join(f"{n.name}: {n.lost}" for n in self.nodes)
+            raise ClusterError(
+                f"every node of the Ray cluster at {self.address} was lost ({lost}): "
+                "bring nodes back and rerun the flow run (finished shards are kept)"
+            )
+        free = [
+            n for n in live if (s := n.seats.get(role)) is None or (not s.suspects and not s.solo)
+        ]
+        if not free:
+            return None
+        turn, count = self.turns[stage], len(self.nodes)
 
-            node = min(live, key=room)
-            node.running[stage] += 1
-            self.turns[stage] = node.index + 1
-            return node
+        def room(n: Node) -> tuple:
+            limit = max(1, self.per_node.get(n.name, {}).get(stage, 1))
+            # Ties in turn, so shards spread over the nodes whatever order they finish in.
+            return (
+                n.running[stage] - limit,
+                n.running[stage] / limit,
+                (n.index - turn) % count,
+            )
 
-    def _call(self, stage: str, submit: Callable[[Any], Any]) -> ShardStats:
+        node = min(free, key=room)
+        self.turns[stage] = node.index + 1
+        # Every node at its limit with this one: more of the stage's shards wait for room.
+        self.saturated = room(node)[0] + 1 >= 0 and all(
+            room(n)[0] >= 0 for n in live if n is not node
+        )
+        return node.seats.setdefault(role, Seat(node, role))
+
+    def _refresh(self) -> None:
+        """Every NODES_EVERY_S (under the lock): nodes that joined Ray's list get an agent,
+        nodes it lists dead are lost, and the run's demand is told to Ray's autoscaler."""
+        now = time.monotonic()
+        if now - self.listed_at < NODES_EVERY_S:
+            return
+        self.listed_at = now
+        listed = self._listed()
+        known = {n.node_id: n for n in self.nodes}
+        for n in listed:
+            node = known.get(n["NodeID"])
+            if node is None and usable(n):
+                node = self._join(n, listed)
+                tell(logging.INFO, "node %s joined the cluster: it takes shards", node.name)
+            elif node is not None and not n["Alive"] and node.lost is None:
+                self._lose_locked(node, "Ray lists it dead")
+        self._ask()
+
+    def _ask(self) -> None:
+        """Ray's autoscaler sees the agents ask for no CPUs: tell it what the run uses (each
+        live node's CPUs, and GPUs while a GPU stage runs), and one node more while every node
+        is at its limit (`request_resources`; no autoscaler, no effect)."""
+        from ray.autoscaler.sdk import request_resources
+
+        live = [n for n in self.nodes if n.lost is None]
+        gpu_stage = any(role != CPU for n in live for role in n.seats)
+        bundles = [
+            {"CPU": n.budget, **({"GPU": n.gpus} if gpu_stage and n.gpus else {})} for n in live
+        ]
+        if self.saturated and bundles:
+            bundles.append(max(bundles, key=lambda b: (b.get("GPU", 0), b["CPU"])))
+        if bundles != self.demand:
+            request_resources(bundles=bundles)
+            self.demand = bundles
+
+    def _call(self, stage: str, role: str, submit: Callable[[Any], Any], shard: str) -> ShardStats:
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
 
+        suspect: Seat | None = None
+        deaths: list[str] = []  # how each agent that ran it alone died
         while True:
-            node = self._pick(stage)
+            seat, alone = self._take(stage, role, suspect)
+            agent, node = seat.agent, seat.node
             try:
-                return ray.get(submit(node.agent))
+                try:
+                    self._ready(seat)
+                except (RayActorError, ActorUnschedulableError, NodeGone) as e:  # the node
+                    self._lose(node, f"its {role} agent could not start: {how_it_died(e)[1]}")
+                    suspect = None
+                    continue
+                return ray.get(submit(agent))
             except RayTaskError as e:  # the shard's own failure: raised as on one node
                 raise (e.cause if isinstance(e.cause, BaseException) else e) from None
             except RayActorError as e:
-                self._lose(node, e)
-            finally:
+                if self._died(seat, agent, e):  # its node is lost: the shard goes elsewhere
+                    suspect = None
+                    continue
+                if alone:
+                    deaths.append(how_it_died(e)[1])
+                    if len(deaths) >= POISON_DEATHS:
+                        raise ShardKilledAgent(
+                            f"{stage} shard {shard or '?'} killed the agent that ran it alone "
+                            f"on node {node.name} {len(deaths)} times ({'; '.join(deaths)}): "
+                            "it fails, the other shards go on"
+                        ) from None
                 with self.lock:
+                    seat.suspects += 1
+                suspect = seat
+            finally:
+                with self.changed:
+                    seat.busy -= 1
                     node.running[stage] -= 1
+                    if alone:
+                        seat.solo = False
+                        seat.suspects -= 1
+                    self.changed.notify_all()
 
-    def _lose(self, node: Node, error: BaseException) -> None:
-        """The node's agent is gone (its node died, or its process): leave the node out and
-        make sure the agent is dead before its shards go elsewhere."""
+    def _died(self, seat: Seat, agent: Any, error: BaseException) -> bool:
+        """An agent died under a shard: whether its node is lost (Ray says the node died, or
+        no longer lists it alive). Else the agent's processes are cleared and a fresh one
+        started by the next shard there (its suspects first)."""
+        node_died, how = how_it_died(error)
+        with self.lock:
+            first = seat.agent is agent
+            if first:
+                seat.agent, seat.ready = None, None
+                seat.node.dead.append(seat.mark)
+        if node_died or not self._alive(seat.node.node_id):
+            self._lose(seat.node, f"{type(error).__name__}: {how}")
+            return True
+        if first:
+            tell(
+                logging.WARNING,
+                "node %s: its %s agent died (%s); a fresh one runs each shard it had in "
+                "flight alone, then the node's other shards",
+                seat.node.name,
+                seat.role,
+                how,
+            )
+        return False
+
+    def _kill(self, seat: Seat) -> None:
+        import ray
+
+        if seat.agent is not None:
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(seat.agent, no_restart=True)
+            seat.node.dead.append(seat.mark)
+            seat.agent = seat.ready = None
+
+    def _lose(self, node: Node, why: str) -> None:
+        with self.changed:
+            self._lose_locked(node, why)
+
+    def _lose_locked(self, node: Node, why: str) -> None:
+        """The node left the cluster: leave it out (its agents killed, in case) and wake the
+        shards waiting for it, which go elsewhere."""
+        if node.lost is not None:
+            return
+        node.lost = why
+        for seat in node.seats.values():
+            self._kill(seat)
+        log.warning("node %s lost (%s): its shards run on the other nodes", node.name, why)
+        self.changed.notify_all()
+
+    def close_stage(self, stage: str) -> None:
+        """Every node's agent of a GPU stage gives its devices back and ends: the node's GPUs
+        are held only while the stage runs."""
         import ray
 
         with self.lock:
-            if node.lost is not None:
-                return
-            node.lost = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-        log.warning("node %s lost (%s): its shards run on the other nodes", node.name, node.lost)
-        with contextlib.suppress(Exception):  # already gone with its node
-            ray.kill(node.agent, no_restart=True)
-
-    def close_stage(self, stage: str) -> None:
-        """Every node's workers of a GPU stage give their devices back."""
-        import ray
-
-        live = [n for n in self.nodes if n.lost is None]
-        for node, ref in [(n, n.agent.close.remote(stage)) for n in live]:
+            seats = [s for n in self.nodes if (s := n.seats.pop(stage, None)) is not None]
+        for seat in seats:
+            if seat.agent is None or seat.node.lost is not None:
+                continue
             try:
-                ray.get(ref)
+                ray.get(seat.agent.close.remote())
             except Exception as e:  # a node lost as the stage ends: nothing to give back
-                log.warning("node %s: closing %s: %s", node.name, stage, e)
+                log.warning("node %s: closing %s: %s", seat.node.name, stage, e)
+            with self.lock:
+                self._kill(seat)
+                seat.node.dead.remove(seat.mark)  # ended, not dead: Ray ends its processes
 
     def lost(self) -> list[str]:
         return [n.name for n in self.nodes if n.lost is not None]
@@ -339,5 +552,7 @@ class ClusterDevices:
         self.cluster.close_stage(self.stage)
 
     def run(self, shard: str) -> ShardStats:
-        args = (self.stage, self.name, self.serve, self.release, shard)
-        return self.cluster._call(self.stage, lambda agent: agent.serve.remote(*args))
+        args = (self.name, self.serve, self.release, shard)
+        return self.cluster._call(
+            self.stage, self.stage, lambda agent: agent.serve.remote(*args), shard
+        )

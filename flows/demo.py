@@ -1,6 +1,6 @@
 """`make demo`: the whole chain on the demo source, through real deployments and a worker.
 
-Starts (if absent) a local Prefect server and worker for the data root, deploys prefect.yaml,
+Starts (if absent) the data root's own Prefect server and a worker, deploys prefect.yaml,
 runs `prefect deployment run build-latents/demo` then `curriculum/demo` (training, then the
 eval), waits for both and prints what happened to every sample, read from the stats records on
 disk, and the eval's table.
@@ -88,18 +88,18 @@ def format_summary(root: Path, port: int, seconds: float) -> str:
 def main() -> None:
     start = time.monotonic()
     root = data_root()
-    port = local.default_port()
     root.mkdir(parents=True, exist_ok=True)
     print(f"data root: {root}", flush=True)
-    if local.ensure_server(root, port):
-        print(
-            f"started a Prefect server on {local.api_url(port)} (SQLite under "
-            f"{local.prefect_dir(root)})",
-            flush=True,
-        )
+    # The root's own server (never whatever answers on 4200), as every sdpipe command finds it.
+    port, which = local.ensure_local_api(root)
+    print(f"{which}; SQLite under {local.prefect_dir(root)}", flush=True)
     local.deploy(root, port)
     if local.ensure_worker(root, port):
-        print(f"started a process worker for pool '{local.WORK_POOL}'", flush=True)
+        print(
+            f"started a process worker for pool '{local.WORK_POOL}' (the demo's deployments "
+            "run offline: HF_HUB_OFFLINE=1 in their job variables, not in the worker)",
+            flush=True,
+        )
     with progress.watch(root, sources=["demo"]):
         run_deployment("build-latents/demo", root, port)
     with progress.watch(root, phases=["demo"]):

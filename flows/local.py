@@ -4,6 +4,10 @@ Their state lives under `<root>/.prefect/` (SQLite database, logs, pid files), s
 root has its own server; both are started in their own session and outlive the command that
 started them, until `sdpipe stop`.
 
+A data root uses a server only if it is its own: the process its `server.pid` names is alive
+and is the one listening on the recorded port (`running_server`); anything else answering on
+4200 is left alone and the root's own server starts on a free port.
+
 The same functions start the shared setup of docs/scale-out.md on loopback (tests/operate,
 bench/orchestration.py, infra/scale_out_local.py): `env` adds settings such as
 `PREFECT_API_DATABASE_CONNECTION_URL` (Postgres) and the auth strings, and named workers
@@ -16,17 +20,25 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 
+from tasks.runtime.net import free_port
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WORK_POOL = "sdpipe"
 DEFAULT_PORT = 4200  # of a data root's server, unless SDPIPE_PREFECT_PORT says otherwise
+# Settings of the command that starts a worker which its flow runs must not take: `make demo`
+# runs offline, but the worker it leaves running takes the user's next runs of the pool too.
+# The demo's deployments set HF_HUB_OFFLINE in their own job variables (prefect.yaml).
+CALLER_ONLY = ("HF_HUB_OFFLINE",)
 
 
 class LocalServerError(Exception):
@@ -49,7 +61,6 @@ def prefect_env(root: Path, port: int, env: dict[str, str] | None = None) -> dic
         "PREFECT_API_URL": api_url(port),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "SDPIPE_DATA": str(root),
-        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
         "NO_ALBUMENTATIONS_UPDATE": "1",
         "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled"),
         # Pick up a new run within 2 s instead of the default 10 s: one machine, few runs.
@@ -66,16 +77,24 @@ def healthy(url: str) -> bool:
         return False
 
 
-def _recorded(pid_file: Path) -> tuple[int, float | None] | None:
-    """(pid, start time) from a pid file (older files hold the pid alone), or None."""
+def _record(pid_file: Path) -> dict | None:
+    """What a pid file records: pid, start time and, for a server, its port (older files
+    hold the pid alone: {"pid": N}), or None."""
     try:
         text = pid_file.read_text().strip()
-        if text.startswith("{"):
-            record = json.loads(text)
-            return int(record["pid"]), float(record["started"])
-        return int(text), None
-    except (OSError, ValueError, KeyError):
+        record = json.loads(text) if text.startswith("{") else {"pid": text}
+        record["pid"] = int(record["pid"])
+        return record
+    except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _recorded(pid_file: Path) -> tuple[int, float | None] | None:
+    """(pid, start time) from a pid file (older files hold the pid alone), or None."""
+    if (record := _record(pid_file)) is None:
+        return None
+    started = record.get("started")
+    return record["pid"], None if started is None else float(started)
 
 
 def _alive(pid_file: Path) -> bool:
@@ -114,13 +133,46 @@ def _start(name: str, command: list[str], root: Path, env: dict[str, str], **rec
     return proc.pid
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` (or a process it started) listens on `port`: it is the server
+    answering there, not just alive while something else took the port."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port:
+                    return True
+    return False
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on 127.0.0.1:`port` (a server can bind it, as uvicorn does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def ensure_server(
     root: Path, port: int, timeout_s: float = 120, env: dict[str, str] | None = None
 ) -> bool:
-    """Start the server unless one answers on `port`; returns True if this call started it."""
+    """Start this root's server on `port` unless it runs there; returns True if this call
+    started it. Another process on the port is an error, whatever it answers: this root's runs
+    must not go to a server it does not own (and `stop` would leave it running)."""
     url = api_url(port)
-    if healthy(url):
+    if running_server(root) == url:
         return False
+    if not port_free(port):
+        raise LocalServerError(
+            f"port {port} is taken by a process that is not the Prefect server of {root}"
+        )
     prefect_dir(root).mkdir(parents=True, exist_ok=True)
     _start(
         "server",
@@ -151,31 +203,74 @@ def ensure_server(
 
 
 def default_port() -> int:
-    """Where `make demo` and the CLI start a data root's server: SDPIPE_PREFECT_PORT, else 4200."""
+    """Where `make demo` and the CLI start a data root's server: SDPIPE_PREFECT_PORT, else 4200
+    (else a free port, when another process has that one)."""
     return int(os.environ.get("SDPIPE_PREFECT_PORT") or DEFAULT_PORT)
 
 
 def running_server(root: Path) -> str | None:
-    """The API URL of this data root's server when it runs and answers (its port is recorded
-    in `server.pid` when it starts), else None."""
+    """The API URL of this data root's server, or None: the process `server.pid` records is
+    alive, listens on the port recorded with it, and answers there."""
     pid_file = prefect_dir(root) / "server.pid"
+    record = _record(pid_file)
     try:
-        port = int(json.loads(pid_file.read_text())["port"])
-    except (OSError, ValueError, KeyError, TypeError):
+        port = int(record["port"])
+    except (TypeError, KeyError, ValueError):
         return None
     url = api_url(port)
-    return url if _alive(pid_file) and healthy(url) else None
+    return url if _alive(pid_file) and _listens(record["pid"], port) and healthy(url) else None
 
 
-def ensure_local_api(root: Path, timeout_s: float = 120) -> tuple[str, bool]:
-    """(API URL, whether this call started its server) of the data root's local server: the
-    one running for this root, else the one on `default_port()` (as `make demo` finds and
-    starts it), started there when none answers. It outlives the command: one dashboard for
-    every run of the root, and no throwaway server per command racing its startup timeout."""
+def ensure_local_api(root: Path, timeout_s: float = 120) -> tuple[int, str]:
+    """(port, a line saying which server that is) of the data root's own server: the one
+    running for this root, else one started on `default_port()`, or on a free port when another
+    process has that one. It outlives the command: one dashboard for every run of the root, and
+    no throwaway server per command racing its startup timeout."""
     if url := running_server(root):
-        return url, False
-    port = default_port()
-    return api_url(port), ensure_server(root, port, timeout_s)
+        record = _record(prefect_dir(root) / "server.pid")
+        return int(
+            record["port"]
+        ), f"using the Prefect server of {root} on {url} (pid {record['pid']})"
+    port, taken = default_port(), ""
+    if not port_free(port):
+        taken = f"; port {port} is another process's, left alone"
+        port = free_port()
+    ensure_server(root, port, timeout_s)
+    url = api_url(port)
+    return port, (
+        f"started a Prefect server on {url} for {root} (dashboard {url.removesuffix('/api')}; "
+        f"sdpipe stop stops it{taken})"
+    )
+
+
+@contextlib.contextmanager
+def prefect_api(root: Path) -> Iterator[str]:
+    """The Prefect API a command's flow runs report to: PREFECT_API_URL (or a Prefect
+    profile's) when set, else the data root's own server (`ensure_local_api`), so every run
+    shows on one dashboard and no throwaway server per command races its startup timeout.
+    Says which on stderr; set for this process and the processes it starts, until the block
+    ends."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # The environment first: Prefect's settings are read once, when it is first imported, and
+    # miss a PREFECT_API_URL set after that (a test's session server, a wrapper script).
+    if configured := os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value():
+        print(f"using the Prefect server at {configured} (PREFECT_API_URL)", file=sys.stderr)
+        yield configured
+        return
+    port, which = ensure_local_api(root)
+    print(which, file=sys.stderr, flush=True)
+    url = api_url(port)
+    saved = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        with temporary_settings({PREFECT_API_URL: url}):
+            yield url
+    finally:
+        if saved is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = saved
 
 
 def ensure_worker(
@@ -185,13 +280,20 @@ def ensure_worker(
     env: dict[str, str] | None = None,
     limit: int | None = None,
 ) -> bool:
-    """Start a process worker for the `sdpipe` pool unless this root's worker `name` runs.
+    """Start a process worker for the `sdpipe` pool unless this root's worker `name` runs for
+    the server on `port` (one that polls another port, a server since replaced, is stopped).
 
-    `limit` caps the flow runs it runs at once (default: no cap).
+    `limit` caps the flow runs it runs at once (default: no cap). The worker does not take the
+    caller's `CALLER_ONLY` settings (unless `env` gives them): its flow runs get their
+    deployment's job variables over the worker's environment.
     """
-    if _alive(prefect_dir(root) / f"{name}.pid"):
-        return False
+    pid_file = prefect_dir(root) / f"{name}.pid"
+    if _alive(pid_file):
+        if _record(pid_file).get("port", port) == port:
+            return False
+        stop(root, only=(name,))
     prefect_dir(root).mkdir(parents=True, exist_ok=True)
+    worker_env = {k: v for k, v in prefect_env(root, port).items() if k not in CALLER_ONLY}
     _start(
         name,
         [
@@ -209,7 +311,8 @@ def ensure_worker(
             *(["--limit", str(limit)] if limit else []),
         ],
         root,
-        prefect_env(root, port, env),
+        {**worker_env, **(env or {})},
+        port=port,
     )
     return True
 

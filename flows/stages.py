@@ -221,7 +221,8 @@ class Stage:
 
     Callbacks run on the flow's thread (they may add units to a later stage): `on_done(fn)`,
     fn(shard, stats) for each unit that finished; `on_end(fn)`, fn(stage) once it is sealed and
-    every unit has finished or failed.
+    every unit has finished or failed. `limit`: units at once, or a function giving it at each
+    fill (a cluster's, which grows as nodes join).
     """
 
     def __init__(self, run: StageRun, stage: str, *, limit, inputs, expected: int, done=None):
@@ -272,7 +273,8 @@ class Stage:
         self._maybe_end()
 
     def _fill(self) -> None:
-        while self.waiting and (self.limit is None or len(self.running) < self.limit):
+        limit = self.limit() if callable(self.limit) else self.limit
+        while self.waiting and (limit is None or len(self.running) < limit):
             shard, run = self.waiting.popleft()
             root = self.run.root
             future = self.configured.with_options(

@@ -232,6 +232,38 @@ def read_trainer_state(directory: Path, device: torch.device) -> dict:
         ) from None
 
 
+def check_resumable(
+    state: dict, run_shape: dict, *, bucketed: bool, resume_from: Path, manifest: Path
+) -> None:
+    """Fails, saying what to do, unless the checkpoint's run had this run's shape (steps,
+    global batch, rows, seed, objective, the phase set's `manifest` digest) and read its set the
+    same way (epoch sampler or batches of one bucket)."""
+    for key, value in run_shape.items():
+        if key not in state["run_shape"]:  # written before sdpipe recorded it
+            continue
+        if key == "manifest_sha256" and state["run_shape"][key] != value:
+            raise CheckpointError(
+                f"{resume_from} was trained on another phase set: "
+                f"{manifest} changed since (sha256 "
+                f"{state['run_shape'][key][:12]} -> {value[:12]}); restore that phase set "
+                "to resume, or delete the run's checkpoints/ to train the phase from the start"
+            )
+        if state["run_shape"][key] != value:
+            raise CheckpointError(
+                f"{resume_from}: written by a run with {key}={state['run_shape'][key]!r}, "
+                f"this run has {value!r}; resume with the same settings or use a new run_dir"
+            )
+    was_bucketed = state.get("batches_done") is not None  # older checkpoints: never
+    if was_bucketed != bucketed:
+        orders = ("in the epoch sampler's order", "in batches of one bucket")
+        raise CheckpointError(
+            f"{resume_from}: written by a run that read its phase set "
+            f"{orders[was_bucketed]}, this run reads it {orders[bucketed]} (flip_p, "
+            "sample_latents, train_time_captions or the set's buckets changed); resume "
+            "with the same settings or use a new run_dir"
+        )
+
+
 # numpy's RNG state in trainer.pt files of older versions: data, not code.
 _NUMPY_STATE_GLOBALS = [
     np._core.multiarray._reconstruct,

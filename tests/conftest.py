@@ -70,6 +70,15 @@ def prefect_stack(tmp_path_factory, small_catalog):
                 os.environ[k] = v
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread_per_module():
+    """A test module's tests on one torch thread (tests/torch_threads.py)."""
+    from tests.torch_threads import one_torch_thread
+
+    with one_torch_thread():
+        yield
+
+
 # Worker nodes of the shared local Ray cluster (tests/ray_cluster.py).
 CLUSTER_NODES = 3
 

@@ -53,7 +53,7 @@ def plan(
     return blocks, tables
 
 
-def _first_table(blocks: list, tables: list) -> np.ndarray:
+def first_table(blocks: list, tables: list) -> np.ndarray:
     """For each set of differing blocks (a bit mask), the first table whose blocks all agree."""
     masks = np.arange(1 << len(blocks))
     first = np.full(len(masks), -1, np.int32)
@@ -62,14 +62,13 @@ def _first_table(blocks: list, tables: list) -> np.ndarray:
     return first
 
 
-def _table_pairs(
-    distinct: np.ndarray, t: int, blocks: list, tables: list, k: int, first: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Pairs (a < b, indices into `distinct`) within k bits whose first agreeing table is t."""
-    # Key (the table's blocks, concatenated, at most KEY_BITS) above the index, in one uint64:
-    # a plain sort (no argsort) groups equal keys, indices ascending within a key.
+def table_key(
+    hashes: np.ndarray, t: int, blocks: list, tables: list, packed: np.ndarray | None = None
+) -> np.ndarray:
+    """Table t's key of each hash (its blocks, concatenated, at most KEY_BITS) in the top 32
+    bits of a uint64, OR-ed into `packed` (default zeros): equal keys, equal top bits."""
     room = KEY_BITS
-    packed = np.arange(len(distinct), dtype=np.uint64)
+    packed = np.zeros(len(hashes), np.uint64) if packed is None else packed
     part = np.empty_like(packed)
     for b in tables[t]:
         shift, width = blocks[b]
@@ -77,11 +76,22 @@ def _table_pairs(
         if used <= 0:
             break
         room -= used
-        np.right_shift(distinct, np.uint64(shift + width - used), out=part)
+        np.right_shift(hashes, np.uint64(shift + width - used), out=part)
         np.bitwise_and(part, np.uint64(2**used - 1), out=part)
         np.left_shift(part, np.uint64(32 + room), out=part)
         np.bitwise_or(packed, part, out=packed)
+    return packed
+
+
+def table_pairs(
+    distinct: np.ndarray, t: int, blocks: list, tables: list, k: int, first: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pairs (a < b, indices into `distinct`) within k bits whose first agreeing table is t."""
+    # Key above the index, in one uint64: a plain sort (no argsort) groups equal keys, indices
+    # ascending within a key.
+    packed = table_key(distinct, t, blocks, tables, np.arange(len(distinct), dtype=np.uint64))
     packed.sort()
+    part = np.empty_like(packed)
     low = np.uint64(0xFFFFFFFF)
     index = packed & low
     np.bitwise_xor(packed[1:], packed[:-1], out=part[:-1])
@@ -125,10 +135,10 @@ def near_pairs(
     if len(distinct) >= 2**32:
         raise ValueError(f"{len(distinct)} distinct hashes: at most 2^32 are supported")
     blocks, tables = plan(len(distinct), max_distance, num_blocks)
-    first = _first_table(blocks, tables)
+    first = first_table(blocks, tables)
 
     def one(t: int) -> tuple[np.ndarray, np.ndarray]:
-        return _table_pairs(distinct, t, blocks, tables, max_distance, first)
+        return table_pairs(distinct, t, blocks, tables, max_distance, first)
 
     # numpy's sorts and element-wise loops release the GIL: tables run side by side.
     with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:

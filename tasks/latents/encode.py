@@ -54,6 +54,7 @@ from tasks.runtime.shards import ShardStats, read_stats, run_shard
 
 QA_FILE = "qa.json"
 PRECISIONS = ("bf16", "autocast", "fp32")  # see encode_precision
+FLUSH_AFTER = 64  # batches: see flush_after_setting
 
 _vaes: dict[tuple[str, str], torch.nn.Module] = {}
 _encoders: dict[tuple, Callable[[torch.Tensor], torch.Tensor]] = {}
@@ -74,6 +75,19 @@ def spec_for(catalog: Catalog, source: str) -> LatentSpec:
         flips=needs_flips(catalog, source),
         sampling=src.latent_sampling,
     )
+
+
+def flush_after_setting(value: int | None = None) -> int:
+    """How many batches a bucket's unfinished batch may wait, counted from its oldest image's
+    arrival, before it is handed out as it is (padded to `batch_size`: one shape per bucket, so
+    no new compiled shape and the same bits): `value`, else `SDPIPE_ENCODE_FLUSH_AFTER`, else
+    FLUSH_AFTER. It bounds how long a shard's record waits on a rare bucket (docs/training-data.md,
+    "Latents on disk")."""
+    if value is None:
+        value = int(os.environ.get("SDPIPE_ENCODE_FLUSH_AFTER") or FLUSH_AFTER)
+    if value < 1:
+        raise ValueError(f"encode flush_after {value}: at least 1 batch")
+    return value
 
 
 def load_image(data: bytes, size: int) -> np.ndarray | None:
@@ -295,6 +309,7 @@ def encode_stream(
     compile: bool = False,
     spec: LatentSpec | None = None,
     precision: str | None = None,
+    flush_after: int | None = None,
 ) -> Iterator[tuple[str, ShardStats | Exception]]:
     """Encode shards as they come through one pipeline, the next one's inputs read while one
     encodes: (shard, its stats record, or the error that failed it) in the order given.
@@ -305,7 +320,8 @@ def encode_stream(
     skipped. The record's `extra["device"]` names the device. `spec`: the latent layout
     (default `LatentSpec.of(model)`: the model's plan, one view, the mean; the flows pass
     `spec_for(catalog, source)`, which adds the catalog's flips and latent sampling); a shard
-    done under another spec is encoded again.
+    done under another spec is encoded again. `flush_after`: batches a bucket's unfinished batch
+    waits for more images (`flush_after_setting`).
     """
     device = _canonical(torch.device(device) if device is not None else default_device())
     spec = spec or LatentSpec.of(model)
@@ -319,6 +335,7 @@ def encode_stream(
         num_workers=num_workers or default_num_workers(device),
         spec=spec,
         make_encoder=functools.partial(encoder_for, model, device, compile, spec, precision),
+        flush_after=flush_after_setting(flush_after),
     )
     with pipeline:
         for encoded in pipeline.results():

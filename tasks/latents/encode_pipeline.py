@@ -7,7 +7,8 @@ those of the batches in flight, never a shard's.
 
 Batches always have `batch_size` rows (holes and padding zeroed) and never span buckets; legacy
 batches never span shards, bucketed ones do (a bucket's unfinished batch waits for the next
-shard's images; `_flush` hands them out when no shard comes). The VAE works per image, so a
+shard's images for at most `flush_after` batches, then goes out padded: shards complete in order,
+so a rare bucket would hold every later shard's record). The VAE works per image, so a
 shard's latents are the same bits whatever was encoded before it. Decode pools and CPU lanes are
 kept per size for every later shard."""
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from sdtrain.lazy import BUILD_LOCK
-from tasks.latents import images, kept_latents
+from tasks.latents import images
 from tasks.latents.encode_read import ShardInput, open_shard
 from tasks.latents.encode_spec import LatentSpec, forget_other_spec
 
@@ -246,11 +247,21 @@ class Pipeline:
     """
 
     def __init__(
-        self, root, source, shards, model, *, batch_size, device, num_workers, spec, make_encoder
+        self,
+        root,
+        source,
+        shards,
+        model,
+        *,
+        batch_size,
+        device,
+        num_workers,
+        spec,
+        make_encoder,
+        flush_after: int,
     ):
         self.root, self.source, self.shards, self.model = root, source, shards, model
         self.spec: LatentSpec = spec
-        self.links = kept_latents.PhaseLinks(root)  # phase sets' links, read if a spec changed
         self.bucketed = not spec.legacy
         self.batch_size, self.size = batch_size, model.resolution
         self.sizes = spec.plan.sizes()  # [K, 2] (width, height)
@@ -279,8 +290,12 @@ class Pipeline:
         self.errors: list[BaseException] = []
         self.ended = False
         # Bucketed: per bucket, the decoded images of its unfinished batch, (job, index in
-        # job.keys, pixels), across shards (the feeder's alone).
+        # job.keys, pixels), across shards, and the count of batches handed out when its oldest
+        # image came (the feeder's alone).
         self.waiting: dict[int, list[tuple[_ShardJob, int, np.ndarray]]] = {}
+        self.waiting_since: dict[int, int] = {}
+        self.num_handed = 0
+        self.flush_after = flush_after  # batches (`encode.flush_after_setting`)
         # The feeder's open shard: its job, the decode tasks of its unfinished batch (legacy)
         # or those in flight (bucketed).
         self.job: _ShardJob | None = None
@@ -314,7 +329,7 @@ class Pipeline:
             for shard in self.shards:
                 if self.stop.is_set():
                     break
-                if forget_other_spec(self.root, self.source, shard, self.spec, self.links):
+                if forget_other_spec(self.root, self.source, shard, self.spec):
                     self.inputs.put(ShardInput(shard, skip=True))
                     continue
                 self._read(shard)
@@ -430,9 +445,15 @@ class Pipeline:
         job.dropped.update(dropped)
         for row, (bucket, pixels) in zip(rows, payload, strict=True):
             self.waiting.setdefault(bucket, []).append((job, row, pixels))
+            self.waiting_since.setdefault(bucket, self.num_handed)
             job.waiting += 1
             if len(self.waiting[bucket]) == self.batch_size:
                 self._hand_out(bucket)
+        # A bucket that waited `flush_after` batches goes out as it is: its shards' records
+        # (and every later shard's) would otherwise wait on images that may never come.
+        stale = self.num_handed - self.flush_after
+        for bucket in [b for b, since in self.waiting_since.items() if since <= stale]:
+            self._hand_out(bucket)
 
     def _close(self, end: _ShardEnd) -> None:
         """The open shard's images are all handed to the decoders: once the last of them is
@@ -456,6 +477,8 @@ class Pipeline:
     def _hand_out(self, bucket: int) -> None:
         """The bucket's waiting images as one batch (the feeder's thread)."""
         waiting = self.waiting.pop(bucket)
+        del self.waiting_since[bucket]
+        self.num_handed += 1
         segments: list[tuple[_ShardJob, np.ndarray]] = []
         for job, row, _ in waiting:
             if not segments or segments[-1][0] is not job:

@@ -98,17 +98,20 @@ def forget_other_spec(
     spec: LatentSpec,
     links: kept_latents.PhaseLinks | None = None,
 ) -> bool:
-    """True if the shard is done under `spec`; a record of another spec is removed (with a
-    warning), so the shard is encoded again. Its files that phase sets link are first kept
-    under their spec's folder (`kept_latents.keep_linked`; `links`: the data root's phase-set
-    links, shared by an encode run)."""
+    """True if the shard is done under `spec`. Otherwise it is encoded again: its files that
+    phase sets link are first kept aside (`kept_latents.keep_linked`, under the spec they were
+    encoded under; `links`: the data root's phase-set links, default `phase_links(root)`), and
+    a record of another spec is removed (with a warning). A shard with no record may still hold
+    an earlier encode's files (a refetch or re-selection removed its record): kept the same way.
+    """
     record = done_record(root, source, STAGE, shard)
-    if record is None:
-        return False
-    if _encoded_under(record, spec):
+    if record is not None and _encoded_under(record, spec):
         return True
+    links = links or kept_latents.phase_links(root)
+    if record is None:
+        kept_latents.keep_linked(root, source, shard, links)
+        return False
     log.warning("encode %s/%s: encoded under another latent spec; encoding it again", source, shard)
-    old_spec = record.extra.get("latent_spec")
-    kept_latents.keep_linked(root, source, shard, old_spec, links or kept_latents.PhaseLinks(root))
+    kept_latents.keep_linked(root, source, shard, links, record.extra.get("latent_spec"))
     stats_path(root, source, STAGE, shard).unlink(missing_ok=True)
     return False

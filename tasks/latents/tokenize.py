@@ -14,6 +14,7 @@ Bad captions, each counted: empty or only whitespace -> dropped as `empty_captio
 are not UTF-8 -> dropped as `caption_encoding` (source adapters decode with `clean_caption`,
 since an Arrow string column cannot hold them); over 77 tokens -> kept, truncated, and counted
 in the stats record's `extra["truncated"]` (not a drop: every truncated caption is also out).
+Tokens files a phase set links are moved aside before they are written again (kept_latents.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import pyarrow.parquet as pq
 
 from sdtrain.atomic import atomic_path
 from sdtrain.models import MAX_TOKENS, encode_captions
+from tasks.latents import kept_latents
 from tasks.runtime.shards import ShardStats, run_shard
 
 STAGE = "tokens"
@@ -116,6 +118,8 @@ def tokenize_shard(root: Path, source: str, shard: str) -> ShardStats:
             keys.append(key)
             captions.append(caption)
         ids, counts = encode_captions(captions)
+        # A phase set mixed before links the files about to be replaced: they move aside.
+        kept_latents.keep_linked_tokens(root, source, shard, kept_latents.phase_links(root))
         with atomic_path(root / source / STAGE / f"{shard}.npy") as tmp, open(tmp, "wb") as f:
             np.save(f, ids.astype(np.int32, copy=False).reshape(len(keys), MAX_TOKENS))
         listed = all_captions(root / source / "shards" / f"{shard}.parquet", keys, captions)

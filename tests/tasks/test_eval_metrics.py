@@ -21,13 +21,7 @@ from tests.tasks.conftest import scene_jpeg
 
 CPU = torch.device("cpu")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 
 def scenes(seeds, side=96) -> list[Image.Image]:

@@ -21,15 +21,7 @@ from tests.tasks.tiny_weights import RUN_NEGATIVE, write_tiny_weights
 CPU = torch.device("cpu")
 FEW_STEPS = Settings(num_steps=4)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """The tiny model gains nothing from intra-op threads; on a loaded 2-core machine their
-    barriers make a batch 10-20x slower."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread_per_module")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,130 @@
+"""A build-latents run's agents on the shared local Ray cluster (flows/cluster.py), called
+directly with small units (shell commands that say which node ran them) instead of a flow: a
+poison shard fails alone while its node and the other shards go on; a node that joins mid-run
+takes shards; waiting for an agent says so and ends at its deadline."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from flows import cluster_agents
+from flows.cluster import Cluster, ClusterError, ShardKilledAgent
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+
+@pytest.fixture
+def said() -> list[str]:
+    """What the cluster's modules log (to the run's log where there is a run)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    loggers = [logging.getLogger(n) for n in ("flows.cluster", "flows.cluster_agents")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield lines
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def node_after(seconds: float):
+    """A unit that waits `seconds` and returns the name of the node that ran it."""
+    command = f'sleep {seconds}; printf %s "$SDPIPE_NODE"'
+    return functools.partial(subprocess.check_output, ["sh", "-c", command], text=True)
+
+
+def run_all(cluster: Cluster, units: dict) -> dict:
+    """Every unit at once (in this order), as a stage's shard task runs: result or error."""
+    with ThreadPoolExecutor(len(units)) as pool:
+        futures = {s: pool.submit(cluster.unit("shards", fn, s)) for s, fn in units.items()}
+    return {s: f.exception() or f.result() for s, f in futures.items()}
+
+
+def test_a_poison_shard_fails_alone_and_the_run_goes_on(cluster, tmp_path, said):
+    pids = tmp_path / "grandchildren"
+    # SIGKILLs the agent running it (as the OOM killer would), leaving a grandchild behind.
+    poison = functools.partial(
+        subprocess.run,
+        ["sh", "-c", f"sleep 0.3; sleep 1000 & echo $! >> {pids}; kill -9 $PPID; wait"],
+    )
+    with Cluster(cluster.address, workers=2) as nodes:
+        nodes.limits(lambda budget, devices: {"shards": 3})
+        units = {f"ok{i}": node_after(1.5) for i in range(5)}
+        units["poison"] = poison  # last: on a node with an innocent shard in flight
+        results = run_all(nodes, units)
+
+        error = results.pop("poison")
+        assert isinstance(error, ShardKilledAgent), error
+        assert "shard poison" in str(error) and "2 times" in str(error), error
+        assert "its process died" in str(error), error
+        names = {n.name for n in nodes.nodes}
+        assert set(results.values()) <= names, results  # every innocent shard finished
+        assert nodes.lost() == []
+        assert sum("cpu agent died" in line for line in said) == 3, said
+        assert not any(" lost " in line for line in said), said
+        # The innocent shard in flight with the poison ran again alone on the poison's node.
+        (victim,) = [n for n in names if f"on node {n} " in str(error)]
+        assert victim in results.values(), results
+    # What the dead agents left (the poison's grandchildren) is gone.
+    left = [pid for pid in Path(pids).read_text().split() if Path(f"/proc/{pid}/cmdline").exists()]
+    assert [p for p in left if Path(f"/proc/{p}/cmdline").read_bytes()] == []
+
+
+def test_a_node_that_joins_mid_run_takes_shards(cluster, monkeypatch):
+    from flows import cluster as cluster_module
+
+    monkeypatch.setattr(cluster_module, "NODES_EVERY_S", 0.5)
+    joined = None
+    try:
+        with Cluster(cluster.address, workers=2) as nodes:
+            limits = nodes.limits(lambda budget, devices: {"shards": 2})
+            assert limits["shards"]() == 2 * len(cluster.nodes)
+            run_all(nodes, {f"a{i}": node_after(0) for i in range(3)})
+            joined = cluster.add()
+            ran = run_all(nodes, {f"b{i}": node_after(1) for i in range(8)})
+            assert any(name.endswith(joined[:6]) for name in ran.values()), ran
+            assert limits["shards"]() == 2 * len(cluster.nodes)
+    finally:
+        if joined is not None:
+            cluster.kill(joined)  # the cluster as the test found it
+
+
+def test_waiting_for_an_agent_says_who_holds_the_node_and_fails_at_its_deadline(
+    cluster, monkeypatch, said
+):
+    """As a score stage's agent waits for GPUs another run holds: here the node's CPUs."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    monkeypatch.setattr(cluster_agents, "TELL_EVERY_S", 1.0)
+    monkeypatch.setenv("SDPIPE_CLUSTER_WAIT_S", "3")
+    node_id = cluster.node_ids()[0]
+    pinned = NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+    @ray.remote
+    class Holder:  # defined here: pickled whole, the nodes need not import this module
+        def ready(self) -> bool:
+            return True
+
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        holder = Holder.options(name="other-run", num_cpus=2, scheduling_strategy=pinned).remote()
+        ray.get(holder.ready.remote())
+        waiting = Holder.options(num_cpus=1, scheduling_strategy=pinned).remote()
+        with pytest.raises(ClusterError) as failed:
+            cluster_agents.wait_ready(
+                waiting.ready.remote(), "the test's agent", node_id, lambda: True, set
+            )
+    finally:
+        ray.shutdown()
+    message = str(failed.value)
+    assert "for the test's agent (SDPIPE_CLUSTER_WAIT_S=3)" in message, message
+    assert "free there: CPU 0 of 2" in message and "other-run" in message, message
+    told = "s for the test's agent (limit 3 s): free there: CPU 0 of 2"
+    assert any(told in line for line in said), said
