@@ -48,50 +48,20 @@ import tempfile
 import time
 
 import numpy as np
-import yaml
-
-from bench.encode import SD_VAE
 
 DENSE_BF16_PEAK_FLOPS = 989e12  # H100 / H200 SXM, dense
 # Seed 002's tag augmentation: the trainer's with --train-time-captions, and the loader timed.
 CAPTION_AUGMENTATION = {"shuffle_tags_p": 0.5, "keep_tokens": 1, "tag_dropout": 0.1}
-# SD1.5's VAE and CLIP ViT-L/14 text encoder as configs: the full-size bench builds them with
-# random weights (speed does not depend on the values) so it runs without downloads.
-SD_VAE_CONFIG = SD_VAE | {"sample_size": 512}  # sd-vae-ft-mse, as bench/encode.py
-CLIP_L_TEXT_CONFIG = {
-    "vocab_size": 49408,
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "max_position_embeddings": 77,
-    "hidden_act": "quick_gelu",
-    "projection_dim": 768,
-    "bos_token_id": 49406,
-    "eos_token_id": 49407,
-    "pad_token_id": 49407,
-}
 
 
 def write_catalog(work: Path, size: str) -> str:
-    """A catalog copy with a `bench` model: the tiny twin, or SD1.5 with random weights."""
-    from catalog.loader import PACKAGED_DIR
+    """This process's catalog: a copy with a `bench` model, the tiny twin or SD1.5 with random
+    weights."""
+    from bench.catalogs import bench_model, use_copy
+    from catalog.copies import edit_entries
 
-    catalog = work / "catalog"
-    shutil.copytree(PACKAGED_DIR, catalog, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    models = yaml.safe_load((catalog / "models.yaml").read_text())
-    if size == "tiny":
-        bench = dict(models["tiny"])
-    else:
-        bench = {
-            "resolution": 512,
-            "unet_config": models["sd15"]["unet_config"],
-            "vae_config": SD_VAE_CONFIG,
-            "text_config": CLIP_L_TEXT_CONFIG,
-        }
-    models["bench"] = bench
-    (catalog / "models.yaml").write_text(yaml.safe_dump(models))
-    os.environ["SDPIPE_CATALOG"] = str(catalog)
+    with edit_entries(use_copy(work) / "models.yaml") as models:
+        models["bench"] = bench_model(models, full=size == "full")
     return "bench"
 
 

@@ -60,18 +60,9 @@ def test_bf16_weights_stay_within_the_stated_tolerance_of_fp32(tiny):  # noqa: F
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bf16_weights_on_a_gpu_stay_within_the_stated_tolerance_of_fp32():
     from catalog import Model
+    from catalog.architectures import SD_VAE_CONFIG
 
-    sd_vae = {  # stabilityai/sd-vae-ft-mse's architecture, random weights
-        "in_channels": 3,
-        "out_channels": 3,
-        "latent_channels": 4,
-        "down_block_types": ["DownEncoderBlock2D"] * 4,
-        "up_block_types": ["UpDecoderBlock2D"] * 4,
-        "block_out_channels": [128, 256, 512, 512],
-        "layers_per_block": 2,
-        "norm_num_groups": 32,
-        "sample_size": 256,
-    }
+    sd_vae = SD_VAE_CONFIG | {"sample_size": 256}  # random weights
     model = Model(name="sd-vae-gpu-test", resolution=256, vae_config=sd_vae)
     rng = np.random.default_rng(3)
     pixels = torch.from_numpy(rng.integers(0, 256, (16, 256, 256, 3), dtype=np.uint8)).cuda()
