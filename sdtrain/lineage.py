@@ -202,6 +202,7 @@ def _sampler(segment: Segment, buckets=None):
     )
     if key not in _SAMPLER:
         _SAMPLER.clear()
+        _ORDERS.clear()
         rows = _training_rows(segment.num_rows, segment.num_val, segment.seed)
         if segment.sampler == "bucket":
             codes, names = buckets
@@ -220,9 +221,20 @@ def _sampler(segment: Segment, buckets=None):
     return _SAMPLER[key]
 
 
-@functools.lru_cache(maxsize=1)
+_ORDERS: dict = {}  # (sampler, epoch) -> order: the checkpoints of a run replay the same epochs
+ORDERS_BYTES = 1 << 30  # what the kept epoch orders may hold
+
+
 def _epoch_order(sampler: EpochSampler, epoch: int) -> np.ndarray:
-    return sampler.epoch_order(epoch).numpy()
+    key = (id(sampler), epoch)
+    if key not in _ORDERS:
+        order = sampler.epoch_order(epoch).numpy()
+        if any(k[0] != id(sampler) for k in _ORDERS):
+            _ORDERS.clear()
+        while _ORDERS and (len(_ORDERS) + 1) * order.nbytes > ORDERS_BYTES:
+            del _ORDERS[next(iter(_ORDERS))]  # the oldest
+        _ORDERS[key] = order
+    return _ORDERS[key]
 
 
 def _micro_batches(segment: Segment, sampler, epoch: int, a: int, b: int):

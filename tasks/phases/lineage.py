@@ -192,14 +192,17 @@ def who_saw(root: Path, *, urls=(), keys=()) -> list[dict]:
         first, seen = None, {}
         for segment in segments:
             copy = _copy(checkpoint, segment.set)
-            if copy not in matched:
-                matched[copy] = _matching_rows(copy, urls, keys)
+            if copy not in matched:  # a mask over the set's rows: a drawn row is one lookup
+                found = _matching_rows(copy, urls, keys)
+                matched[copy] = None
+                if len(found):
+                    matched[copy] = np.zeros(segment.num_rows, bool)
+                    matched[copy][found] = True
             wanted = matched[copy]
-            if not len(wanted):
+            if wanted is None:
                 continue
             rows, steps = drawn(segment, _buckets(copy, segment, cache))
-            at = np.minimum(np.searchsorted(wanted, rows), len(wanted) - 1)
-            hit = wanted[at] == rows
+            hit = wanted[rows]
             if hit.any():
                 step = int(steps[hit].min())
                 first = step if first is None else min(first, step)

@@ -35,7 +35,9 @@ def build_set(root, rows_per_shard=(16, 16), *, drop=0):
     files = []
     for shard, n in zip(("00000", "00001"), rows_per_shard, strict=True):
         latents = bucket_latents(rng, n, 8, 8, channels=4)[:, 0]  # legacy [N, 4, h, w]
-        files.append({"name": f"demo-{shard}", "latents": latents[drop if shard == "00001" else 0 :]})
+        files.append(
+            {"name": f"demo-{shard}", "latents": latents[drop if shard == "00001" else 0 :]}
+        )
     write_phase_set(phase, files)
     shards = root / "demo" / "shards"
     shards.mkdir(parents=True, exist_ok=True)
