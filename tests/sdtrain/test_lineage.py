@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -152,3 +153,21 @@ def test_a_resume_on_a_remixed_set_adds_a_segment(make_config, tmp_path, monkeyp
     for (_, copy, rows, steps), want in zip(by_set, expected, strict=True):
         keys = pa.ipc.open_file(pa.memory_map(str(copy))).read_all()["key"].to_numpy(False)
         assert dict(zip(keys[rows].tolist(), steps.tolist(), strict=True)) == want
+
+
+def test_a_bucketed_run_two_ranks_and_one_draw_the_same(
+    make_bucketed_config, tmp_path, monkeypatch, two_rank_run, one_rank_run
+):
+    """Batches of one bucket (flips on): the lineage is what the trainer read. Two ranks of
+    batch 4 draw, together, the rows one rank of batch 8 draws, step for step."""
+    config = make_bucketed_config(tmp_path / "run", sample_every=0)
+    drawn = train_recording(config, monkeypatch)
+    ((_, copy, rows, steps),) = lineage.drawn_by_set(tmp_path / "run" / "final")
+    keys = pa.ipc.open_file(pa.memory_map(str(copy))).read_all()["key"].to_numpy(False)
+    assert dict(zip(keys[rows].tolist(), steps.tolist(), strict=True)) == first_steps(drawn, 2)
+
+    (two,), (one,) = (
+        lineage.drawn_by_set(Path(c.run_dir) / "final") for c, *_ in (two_rank_run, one_rank_run)
+    )
+    assert read_segments(Path(two_rank_run[0].run_dir) / "final")[0].world_size == 2
+    assert np.array_equal(two[2], one[2]) and np.array_equal(two[3], one[3])
