@@ -53,8 +53,10 @@ def read_list(path: Path) -> tuple[list[str], list[str]]:
 
 
 def _checkpoint(root: Path, given: Path) -> Path:
-    if not given.exists() and (root / "runs" / str(given) / "final").is_dir():
-        return root / "runs" / str(given) / "final"
+    """A folder as given, else under the data root, else a run's final/."""
+    for candidate in (given, root / given, root / "runs" / given / "final"):
+        if candidate.is_dir():
+            return candidate
     return given
 
 
@@ -70,6 +72,12 @@ def cmd_lineage(args: argparse.Namespace) -> int:
         if args.checkpoint is None:
             raise lineage.LineageError("name a checkpoint, or --url, --key or --list")
         checkpoint = _checkpoint(root, args.checkpoint)
+        if unrecorded := lineage.unrecorded_steps(checkpoint):
+            print(
+                f"sdpipe: warning: {checkpoint}: steps 1-{unrecorded} were trained before sdpipe "
+                "recorded lineage; their rows are not listed",
+                file=sys.stderr,
+            )
         removed = lineage.removed_ids(root)
         if args.parquet:
             num_rows = lineage.write_lineage(checkpoint, args.parquet, removed)

@@ -86,8 +86,10 @@ def read_segments(checkpoint: str | Path) -> list[Segment]:
     return [Segment.of(s) for s in json.loads(path.read_text())["segments"]]
 
 
-def segments_json(segments: list[Segment]) -> str:
-    return json.dumps({"segments": [s.to_json() for s in segments]})
+def segments_json(segments: list[Segment], unrecorded_steps: int = 0) -> str:
+    """`unrecorded_steps`: the first steps, trained before the run recorded lineage."""
+    data = {"segments": [s.to_json() for s in segments]}
+    return json.dumps({**data, "unrecorded_steps": unrecorded_steps} if unrecorded_steps else data)
 
 
 def set_copy(run_dir: str | Path, digest: str) -> Path:
@@ -328,6 +330,13 @@ class RunLineage:
 
         self.run_dir, self.phase_dir = config.run_dir, config.phase_dir
         self.earlier = read_segments(resume_from) if resume_from else []
+        self.unrecorded = 0  # steps of a checkpoint written before lineage was recorded
+        if resume_from:
+            path = Path(resume_from) / LINEAGE_FILE
+            recorded = json.loads(path.read_text()) if path.is_file() else None
+            self.unrecorded = (
+                position[0] if recorded is None else recorded.get("unrecorded_steps", 0)
+            )
         self.dataset = data.dataset if isinstance(data.dataset, PhaseSet) else None
         step, epoch, done = position
         self.current = Segment(
@@ -355,4 +364,4 @@ class RunLineage:
             buckets = (self.dataset.bucket_of_row, self.dataset.bucket_names)
         keep_set(self.phase_dir, self.run_dir, self.current.set, buckets)
         current = dataclasses.replace(self.current, last_step=step, end=(epoch, done))
-        return segments_json(extend(self.earlier, current))
+        return segments_json(extend(self.earlier, current), self.unrecorded)

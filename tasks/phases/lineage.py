@@ -74,6 +74,13 @@ def _segments(checkpoint: Path) -> list[Segment]:
     return read_segments(checkpoint)
 
 
+def unrecorded_steps(checkpoint: Path) -> int:
+    """Steps a checkpoint holds from before its run recorded lineage (resumed from an older
+    sdpipe's checkpoint): their rows are unknown."""
+    path = Path(checkpoint) / LINEAGE_FILE
+    return json.loads(path.read_text()).get("unrecorded_steps", 0) if path.is_file() else 0
+
+
 def _copy(checkpoint: Path, digest: str) -> Path:
     path = set_copy(run_dir_of(checkpoint), digest)
     if not path.is_file():
