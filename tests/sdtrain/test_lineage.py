@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from flows.cli import main as cli
+from flows.lineage import flags_markdown
 from sdtrain import train as train_module
 from sdtrain.checkpoint import CheckpointError
 from sdtrain.lineage import read_segments
@@ -122,6 +123,7 @@ def test_lineage_is_the_trainers_draw(make_config, tmp_path, monkeypatch, capsys
     assert {f["checkpoint"] for f in lineage.removed_flags(root)} == {
         f["checkpoint"] for f in found
     }
+    assert f"`{final}` | 6 | 1 | 3 |" in flags_markdown(lineage.removed_flags(root))  # dashboard
     capsys.readouterr()
     cli(["--data-root", str(root), "status"])
     assert f"removed since: {final} trained on 1 removed rows" in capsys.readouterr().out
