@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from catalog import CatalogError, load_catalog
+from flows import lineage
 from flows.local import prefect_api  # the data root's own server, or PREFECT_API_URL
 from tasks.runtime.shards import data_root
 
@@ -530,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
     _add_finetune_parser(sub)
     _add_eval_parser(sub)
+    lineage.add_parser(sub)
     p = sub.add_parser(
         "prune-latents",
         help="latents of an old spec kept for phase sets that no longer link them: "

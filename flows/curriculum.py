@@ -32,7 +32,7 @@ from prefect.artifacts import (
 from prefect.states import Failed
 
 from catalog import Catalog, CatalogError, Phase, load_catalog
-from flows import evaluate, pools, train_pictures
+from flows import evaluate, lineage, pools, train_pictures
 from flows.credentials import export_secrets
 from tasks.phases import mix, plan
 from tasks.phases.train import (
@@ -239,6 +239,7 @@ def curriculum(
         key=f"{_key(spec.name)}-train-summary",
         description=f"{spec.name}: training summary",
     )
+    lineage.publish_removed_flags(root)  # a checkpoint on rows removed since, flagged
     return summary
 
 

@@ -54,6 +54,9 @@ class TrainConfig:
     model: str  # catalog model name
     init_from: str = ""  # a previous run's final/ folder (unet.safetensors, unet_ema.safetensors)
     resume: bool = True  # continue from <run_dir>/checkpoints/latest when it exists
+    # Resume on a phase set re-mixed since the checkpoint (a removal took rows out): the set's
+    # digest, rows and steps may differ; the checkpoint's lineage gets a segment per set.
+    resume_remixed: bool = False
     seed: int = 0
 
     # Schedule: total steps = per-rank batches per epoch x epochs / grad_accum (or max_steps).

@@ -39,6 +39,7 @@ from sdtrain.config import TrainConfig
 from sdtrain.data import PhaseSet
 from sdtrain.ema import EMA
 from sdtrain.finetune import mode_for
+from sdtrain.lineage import RunLineage
 from sdtrain.models import build_text_encoder, build_vae
 from sdtrain.monitor import LogWindow, Monitor, read_log
 from sdtrain.objective import VALIDATION_STREAM, diffusion_loss, draw_noise
@@ -163,6 +164,15 @@ class Trainer:
         if rank == 0:
             self.vae = build_vae(self.model).to(device).eval().requires_grad_(False)
 
+        progress = self.progress  # the run's own rows start here (sdtrain.lineage)
+        self.lineage = RunLineage(
+            config,
+            self.data,
+            digest=self.run_shape["manifest_sha256"],
+            world_size=world_size,
+            resume_from=self.resume_from,
+            position=(progress.step, progress.epoch, progress.done),
+        )
         self.monitor = Monitor(config, start_step=self.progress.step, enabled=rank == 0)
         self.stop_request = StopRequest()
         self.window = LogWindow(device)
@@ -255,6 +265,7 @@ class Trainer:
             bucketed=data.bucketed,
             resume_from=self.resume_from,
             manifest=Path(config.phase_dir) / "manifest.parquet",
+            remixed=config.resume_remixed,
         )
         load_optimizer_state(self.optimizer, state["optimizer"])
         self.lr_schedule.load_state_dict(state["lr_schedule"])
@@ -465,6 +476,7 @@ class Trainer:
             config=self.config,
             ema_step=self.ema.age + progress.step,
             extra=self.mode.extra_weights(self.text_encoder),
+            lineage=self.lineage.at(progress.step, progress.epoch, progress.done),
             trainer={
                 "step": progress.step,
                 "epoch": progress.epoch,
@@ -499,6 +511,7 @@ class Trainer:
             config=config,
             ema_step=self.ema.age + step,
             extra=self.mode.extra_weights(self.text_encoder),
+            lineage=self.lineage.at(step, self.progress.epoch, self.progress.done),
         )
         grid_path = self.run_dir / "samples" / "final.png"
         self.monitor.grid(step, self.sample_grid(), grid_path)
