@@ -41,9 +41,12 @@ from tasks.runtime.shards import ShardStats, run_shard, shard_name
 TASK_MEMORY_ENV = "SDPIPE_FILTER_TASK_MEMORY"
 TASK_MEMORY = 2 * 2**30
 MEMORY_PER_INPUT_BYTE = 4.0
-DUCKDB_FLOOR = 256 * 2**20  # a session's own needs (buffers per thread, writers): never less
+# A session's own needs, never less: buffers per thread and writer, and a scatter task reads an
+# input file one row group at a time (the metadata stage writes ~1M rows, ~240 MB, a group).
+DUCKDB_FLOOR = 2**30
 SAMPLES_PER_RANGE = 200  # keys sampled per key range to place the splitters
 SAMPLE_DENOMINATOR = 1_000_000
+FLUSH_ROWS, MAX_OPEN_FILES = 32_768, 16  # a partitioned write's buffers (`_connect`)
 POS_BITS = 40  # pos = input file index << 40 | row in file: the one-node tie order
 
 
@@ -127,13 +130,17 @@ def _connect(p: FilterPlan) -> duckdb.DuckDBPyConnection:
     con.sql(f"SET memory_limit = '{max(p.task_memory, DUCKDB_FLOOR) // 2**20}MiB'")
     con.sql("SET temp_directory = ''")
     con.sql(f"SET threads = {p.threads}")
+    # A partitioned write buffers rows per thread and a row group per open file: both bounded
+    # here, so a scatter task's memory does not follow its input file's size.
+    con.sql(f"SET partitioned_write_flush_threshold = {FLUSH_ROWS}")
+    con.sql(f"SET partitioned_write_max_open_files = {MAX_OPEN_FILES}")
     return con
 
 
 def _copy(con, query: str, out: Path, column: str) -> None:
     con.sql(
         f"COPY ({query}) TO '{out}' (FORMAT parquet, PARTITION_BY ({column}), "
-        "FILENAME_PATTERN 'data{i}')"
+        f"FILENAME_PATTERN 'data{{i}}', ROW_GROUP_SIZE {FLUSH_ROWS})"
     )
 
 
@@ -471,11 +478,14 @@ def filter_metadata(
 def summary(run: FilterRun) -> dict:
     """What the run's record keeps of its tasks."""
     p = run.plan
+    cpu = [r["cpu_seconds"] for r in run.records]
     return {
         "partitions": p.num_parts,
         "tasks": len(run.records),
         "reused": sum(bool(r.get("reused")) for r in run.records),
         "task_memory": p.task_memory,
+        "task_cpu_seconds": round(sum(cpu), 3),
+        "largest_task_share": round(max(cpu, default=0) / max(sum(cpu), 1e-9), 4),
         "peak_task_rss_gb": max((r["peak_rss_gb"] for r in run.records), default=0.0),
         "temp_bytes": run.peak_temp_bytes,
         "input_bytes": p.input_bytes,
