@@ -7,7 +7,8 @@ runs in a worker process of its own (its peak RSS is its own), spilling under it
 as it does; the partitioned one runs its tasks in --workers local processes, each under
 --task-memory with spilling off. agreement: the share of shards byte-identical (with the same
 names), beside `waterfall_equal`. temp_bytes: the partition files at their largest.
-Usage: python bench/global_filter.py --rows N [--workers K] [--task-memory BYTES] [--work-dir D]
+Usage: python bench/global_filter.py --rows N [--workers K] [--task-memory BYTES]
+       [--one-node-memory SIZE] [--work-dir D]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 from filter import cached_files, spilled_bytes
 
@@ -47,9 +49,12 @@ def data_root(parent: Path, name: str, paths: list[Path]) -> Path:
     return root
 
 
-def one_node(root: Path, per_shard: int) -> dict:
-    """The one-node stage (run in a worker process): time, CPU, peak RSS, spill at its peak."""
+def one_node(root: Path, per_shard: int, memory_limit: str) -> dict:
+    """The one-node stage (run in a worker process) under DuckDB `memory_limit`, spilling under
+    its data root: time, CPU, peak RSS, spill at its peak."""
     from tasks.curation import filter as filter_stage
+
+    os.environ[duck.MEMORY_ENV] = memory_limit
 
     spill_dir, peak, done = duck.temp_directory(root), [0], threading.Event()
 
@@ -113,9 +118,13 @@ def bench(args) -> dict:
             )
             seconds, driver_cpu = time.perf_counter() - start, time.process_time() - cpu
         summary = stats.extra["partitioned"]
-        with LocalProcesses(1) as side:  # a fresh process: its peak RSS is the stage's
-            single = side.map(one_node, [(one_root, args.samples_per_shard)])[0]
-        share, num_shards, wf_equal = agreement(one_root, parts_root)
+        try:
+            with LocalProcesses(1) as side:  # a fresh process: its peak RSS is the stage's
+                call = (one_root, args.samples_per_shard, args.one_node_memory)
+                single = side.map(one_node, [call])[0]
+            share, num_shards, wf_equal = agreement(one_root, parts_root)
+        except BrokenProcessPool as exc:  # killed (out of memory on a shared machine)
+            single, share, num_shards, wf_equal = {"error": str(exc)}, None, None, None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     task_cpu = summary.pop("task_cpu_seconds")
@@ -137,12 +146,14 @@ def bench(args) -> dict:
         "kept": stats.num_out,
         "dropped": stats.dropped,
         "shards": num_shards,
-        "one_node_seconds": single["seconds"],
-        "one_node_cpu_seconds": single["cpu_seconds"],
-        "one_node_peak_rss_gb": single["peak_rss_gb"],
-        "one_node_spill_bytes": single["spill_bytes"],
-        "one_node_memory_limit": single["memory_limit"],
-        "same_counts": single["kept"] == stats.num_out and single["dropped"] == stats.dropped,
+        "one_node_seconds": single.get("seconds"),
+        "one_node_cpu_seconds": single.get("cpu_seconds"),
+        "one_node_peak_rss_gb": single.get("peak_rss_gb"),
+        "one_node_spill_bytes": single.get("spill_bytes"),
+        "one_node_memory_limit": args.one_node_memory,
+        "one_node_error": single.get("error"),
+        "same_counts": single.get("kept") == stats.num_out
+        and single.get("dropped") == stats.dropped,
         "load_avg_1m_before": load_before,
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "machine": f"{os.uname().machine} {os.cpu_count()} cores",
@@ -155,6 +166,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--task-memory", type=int, default=fp.TASK_MEMORY)
+    # The one-node stage's DuckDB memory (it spills past it, as at full scale).
+    parser.add_argument("--one-node-memory", default="4GB")
     parser.add_argument("--samples-per-shard", type=int, default=10_000)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/sdpipe/bench")
     parser.add_argument("--work-dir", type=Path, default=None, help="the data roots' disk")

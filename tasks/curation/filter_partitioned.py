@@ -130,6 +130,7 @@ def _connect(p: FilterPlan) -> duckdb.DuckDBPyConnection:
     con.sql(f"SET memory_limit = '{max(p.task_memory, DUCKDB_FLOOR) // 2**20}MiB'")
     con.sql("SET temp_directory = ''")
     con.sql(f"SET threads = {p.threads}")
+    con.sql("SET enable_progress_bar = false")  # many tasks at once: their bars would interleave
     # A partitioned write buffers rows per thread and a row group per open file: both bounded
     # here, so a scatter task's memory does not follow its input file's size.
     con.sql(f"SET partitioned_write_flush_threshold = {FLUSH_ROWS}")
