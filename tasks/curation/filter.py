@@ -361,8 +361,10 @@ def _duplicate_samples(
     return {
         f"duplicate_{level}": _fetch_samples(
             con,
-            f"SELECT {columns} FROM passing WHERE reason = 'duplicate_{level}' ORDER BY key "
-            f"LIMIT {MAX_SAMPLES}",
+            # Copies of one key tie on it: where they were read settles them (a gallery that
+            # does not change between runs, and the partitioned filter's).
+            f"SELECT {columns} FROM passing WHERE reason = 'duplicate_{level}' "
+            f"ORDER BY key, filename, file_row_number LIMIT {MAX_SAMPLES}",
             pixels,
         )
         for level in level_list
