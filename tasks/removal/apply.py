@@ -22,10 +22,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import FilterProfile
-from sdtrain.atomic import TMP_MARK, write_json_atomic
+from sdtrain.atomic import TMP_MARK, atomic_path, write_json_atomic
 from tasks.curation.waterfall import Waterfall
 from tasks.removal import counts, lists, phase_sets, rewrite
 from tasks.removal.lists import FOLDER, Wanted
+from tasks.runtime.shards import generation, generation_path
 
 SKIPPED = ("mirror", FOLDER, "hf")  # the demo's upstream, the removals' own, re-exported whole
 WATERFALL = "waterfall.json"
@@ -121,7 +122,7 @@ def plan(
     removals = d / FOLDER
     removals.mkdir(parents=True, exist_ok=True)
     stem = wanted.digest[:16]
-    with _atomic(removals / f"{stem}.rows.parquet") as tmp:
+    with atomic_path(removals / f"{stem}.rows.parquet") as tmp:
         pq.write_table(found, tmp)
     table = pa.table(
         {
@@ -129,7 +130,7 @@ def plan(
             "row": pa.array(np.concatenate([r for _, r in positions] or [[]]), pa.int64()),
         }
     )
-    with _atomic(removals / f"{stem}.positions.parquet") as tmp:
+    with atomic_path(removals / f"{stem}.positions.parquet") as tmp:
         pq.write_table(table, tmp)
     return {
         "list_sha256": wanted.digest,
@@ -140,15 +141,12 @@ def plan(
         "num_rows": found.num_rows,
         "steps": steps,
         "counts": targets,
+        # The source's generation after it (tasks.runtime.shards): the flows' cached "done" of
+        # its stages are not reused; set, not bumped, so a rerun sets the same number.
+        "generation": generation(root, source) + (1 if steps else 0),
         "kept_generations": kept_aside,  # rewritten like the live files, never kept aside
         "status": "planned",
     }
-
-
-def _atomic(path: Path):
-    from sdtrain.atomic import atomic_path
-
-    return atomic_path(path)
 
 
 def _positions(d: Path, stem: str) -> dict[str, np.ndarray]:
@@ -204,6 +202,9 @@ def apply(
             export_hf()
             done("hf", 1)
     record["stats_rewritten"] = counts.write(root, source, record["counts"])
+    if generation(root, source) < record["generation"]:
+        with atomic_path(generation_path(root, source)) as tmp:
+            tmp.write_text(str(record["generation"]))
     done("stats", 0)
     found = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")
     record["blocklist_rows"] = lists.add_to_blocklist(root, source, found)
