@@ -37,6 +37,7 @@ from sdtrain import captions, fingerprints, layout
 from sdtrain.atomic import TMP_MARK, clean_temporaries, replace_dir
 from tasks.phases.mix_read import EncodedView, MixError, dataset_view
 from tasks.phases.mix_write import ManifestWriter, RowIndex, link_files
+from tasks.removal import phase_sets
 
 
 def draw_counts(phase: Phase, available: dict[str, int]) -> list[dict]:
@@ -114,6 +115,8 @@ def phase_set_for_run(root: Path, catalog: Catalog, phase: Phase) -> dict:
     MixError naming the changed file), else a fresh `build_phase_set`."""
     existing = root / "phases" / phase.name
     if run_has_checkpoints(root, phase.name) and (existing / "manifest.parquet").is_file():
+        if (refused := phase_sets.refusal(existing, phase.name)) is not None:
+            raise MixError(refused)  # a removal took rows out of the set the run trained on
         try:  # its sources still hold their rows where the set reads them
             fingerprints.check(existing)
         except fingerprints.StalePhaseSet as e:
