@@ -47,13 +47,17 @@ def save_partitioned(folder: Path, name: str, columns: dict, dest: np.ndarray, n
     np.save(folder / f"{name}.offsets.npy", np.concatenate([[0], np.cumsum(counts)]))
 
 
-def read_part(folder: Path, name: str, part: int, columns: Sequence[str]) -> dict:
-    """Partition `part` of a `save_partitioned` table, read through memory maps."""
+def read_part(
+    folder: Path, name: str, part: int, columns: Sequence[str], stop: int | None = None
+) -> dict:
+    """Partition `part` (to `stop`, if given: partitions part..stop-1) of a `save_partitioned`
+    table, read through memory maps."""
     offsets = np.load(folder / f"{name}.offsets.npy")
+    stop = part + 1 if stop is None else stop
     out = {}
     for column in columns:
         data = np.load(folder / f"{name}.{column}.npy", mmap_mode="r")
-        out[column] = np.array(data[offsets[part] : offsets[part + 1]])
+        out[column] = np.array(data[offsets[part] : offsets[stop]])
     return out
 
 
