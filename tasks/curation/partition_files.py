@@ -82,7 +82,15 @@ def remove_stale(out: Path) -> int:
 
 
 def peak_rss_gb() -> float:
-    """The process's peak resident memory (a worker's over the tasks it ran so far)."""
+    """The process's peak resident memory (a worker's over the tasks it ran so far). Linux's
+    VmHWM, not ru_maxrss: that one survives exec, so a spawned worker's starts at its parent's."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:  # not Linux
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 

@@ -11,7 +11,7 @@ import torch
 
 from tasks.curation import semantic_dedup
 from tasks.curation import semantic_partitioned as sp
-from tasks.curation.partition_files import LocalProcesses
+from tasks.curation.partition_files import LocalProcesses, peak_rss_gb
 from tasks.curation.semantic_dedup import Centroids, Parts, SemanticIndex
 from tests.tasks.test_dedup import greedy_over_all_pairs
 from tests.tasks.test_semantic_dedup import THRESHOLD, all_pairs, planted
@@ -165,3 +165,14 @@ def test_a_bad_input_file_names_itself(tmp_path):
     plan = sp.make_plan(paths, 5, THRESHOLD, centroids, tmp_path / "w")
     with pytest.raises(ValueError, match="00000.npy: a row id outside"):
         sp.run_semantic(plan)
+
+
+def _peak(_: int) -> float:
+    return peak_rss_gb()
+
+
+def test_a_workers_peak_memory_is_its_own_not_its_parents():
+    held = np.ones(2**27)  # 1 GiB in this process when the worker starts
+    with LocalProcesses(1) as workers:
+        (worker,) = workers.map(_peak, [(0,)])
+    assert held.sum() and worker < peak_rss_gb() - 0.8  # it imports what this test module does
