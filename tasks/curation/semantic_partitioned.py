@@ -140,7 +140,8 @@ def _map(tmp: Path, p: SemanticPlan, i: int) -> dict:
     rows = np.load(p.inputs[i])
     if len(rows) and (rows["row"].min() < 0 or rows["row"].max() >= p.num_ids):
         raise ValueError(f"{p.inputs[i]}: a row id outside [0, {p.num_ids})")
-    has = np.isfinite(rows["emb"]).all(1) & (rows["emb"] != 0).any(1)
+    bits = rows["emb"].view(np.uint16)  # fp16 as bits: numpy's fp16 arithmetic is slow
+    has = ((bits & 0x7C00) != 0x7C00).all(1) & ((bits & 0x7FFF) != 0).any(1)  # finite, not 0
     rows = rows[has]
     emb = np.ascontiguousarray(rows["emb"])  # as the one-node path's parts give it
     m, n = p.max_visits, len(rows)
@@ -220,15 +221,20 @@ def _slots(p: SemanticPlan, c0: int, c1: int, num_embedded: int) -> dict:
     return {key: values[keep] for key, values in slots.items()}
 
 
-def _embeddings(p: SemanticPlan, slots: dict, pick: np.ndarray) -> np.ndarray:
-    """fp16 [len(pick), D]: the embeddings of slots `pick`, read from their map folders."""
+def _embeddings(p: SemanticPlan, slots: dict, pick: np.ndarray, whole: bool) -> np.ndarray:
+    """fp16 [len(pick), D]: the embeddings of slots `pick`, read from their map folders: the
+    span they lie in, read whole (`whole`: a group's clusters), or row by row (a block's)."""
     out = np.empty((len(pick), p.dim), np.float16)
     folder, at = slots["folder"][pick], slots["at"][pick]
     for f in np.unique(folder):
         mine = np.flatnonzero(folder == f)
         mine = mine[np.argsort(at[mine])]  # in file order
         data = np.load(p.maps()[f] / "slots.emb.npy", mmap_mode="r")
-        out[mine] = data[at[mine]]
+        if whole:
+            lo = at[mine[0]]
+            out[mine] = np.array(data[lo : at[mine[-1]] + 1])[at[mine] - lo]
+        else:
+            out[mine] = data[at[mine]]
         del data
     return out
 
@@ -239,22 +245,26 @@ def _scan(tmp: Path, p: SemanticPlan, r: int, piece: tuple, num_embedded: int, s
     slots["state"] = _states(p, slots["row"], sources)
     dtype, margin = screen(CPU)
     flags = ([], [])  # positions in `slots`: a better duplicate survives / is undecided
+    is_undecided = slots["state"] == UNDECIDED
     if qb < 0:  # whole clusters, one at a time (as the one-node `losers` scans them)
         edges = np.searchsorted(slots["cluster"], np.arange(c0, c1 + 1))
         runs = [(np.arange(a, b), None) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+        # The group's slots lie in one span per map folder: read in one piece each.
+        every = np.arange(len(is_undecided))
+        group = _embeddings(p, slots, every, whole=True) if is_undecided.any() else None
     else:  # one block pair of one cluster: better block, then worse
         size = p.slots_per_task
-        query = np.arange(qb * size, min((qb + 1) * size, len(slots["row"])))
-        ref = np.arange(rb * size, min((rb + 1) * size, len(slots["row"])))
+        query = np.arange(qb * size, min((qb + 1) * size, len(is_undecided)))
+        ref = np.arange(rb * size, min((rb + 1) * size, len(is_undecided)))
         runs = [(query, None)] if qb == rb else [(np.concatenate([ref, query]), len(ref))]
     queries = 0
     for pick, split in runs:
-        state = slots["state"][pick]
-        asked = (state == UNDECIDED) if split is None else (state[split:] == UNDECIDED)
-        queries += int(asked.sum())
-        if not asked.any():
+        asked = int(is_undecided[pick[split or 0 :]].sum())
+        queries += asked
+        if not asked:
             continue  # nothing to read
-        store = _embeddings(p, slots, pick)
+        store = group[pick] if qb < 0 else _embeddings(p, slots, pick, whole=False)
+        state = slots["state"][pick]
         found = flag_duplicates(store, state, p.threshold, margin, dtype, CPU, split)
         for out, at in zip(flags, found, strict=True):
             out.append(pick[at])
