@@ -3,7 +3,8 @@
 The stage logic is tasks/removal (plan, then idempotent per-file steps; compaction, never a
 mask); this flow checks the list before anything changes, runs it, publishes the filter
 galleries again without the removed samples and a removal artifact (rows per stage, files
-rewritten, phase sets re-linked, what could not be rewritten). `sdpipe remove` runs it here
+rewritten, phase sets re-linked, what could not be rewritten) and the lineage flags of the
+checkpoints that trained on removed rows. `sdpipe remove` runs it here
 (`cmd_remove`: the command's work, its arguments parsed in flows/cli.py).
 """
 
@@ -87,6 +88,7 @@ def remove(
     """Remove the samples `list_file` names (URLs, hashes, sha256s or keys; parquet or one a
     line) from every output of `source` under the data root; `widen`: also every sample with
     the same picture (sha256, or pHash within the profile's near-duplicate distance)."""
+    from flows.lineage import publish_removed_flags
     from flows.stages import publish_waterfall
 
     logger = get_run_logger()
@@ -104,7 +106,9 @@ def remove(
         key=f"{source}-removal-{record['list_sha256'][:16]}",
         description=f"remove {source}: rows removed per stage, files rewritten",
     )
-    return {k: v for k, v in record.items() if k not in ("steps", "counts")}
+    # The checkpoints that trained on rows removed now, flagged on the dashboard (and status).
+    flagged = [f["checkpoint"] for f in publish_removed_flags(root)]
+    return {k: v for k, v in record.items() if k not in ("steps", "counts")} | {"flagged": flagged}
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
@@ -132,4 +136,6 @@ def cmd_remove(args: argparse.Namespace) -> int:
         f"re-linked: {', '.join(record['phase_sets']) or 'none'}; record in "
         f"{root / record['source'] / lists.FOLDER}"
     )
+    if record["flagged"]:  # what trained on them: `sdpipe status`, `sdpipe lineage --list`
+        print(f"checkpoints that trained on removed rows: {', '.join(record['flagged'])}")
     return 0

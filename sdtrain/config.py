@@ -255,9 +255,15 @@ def run_config(
 
 
 def run_config_for_phase(
-    phase: Phase, *, phase_dir: str | Path, run_dir: str | Path, init_from: str | Path = ""
+    phase: Phase,
+    *,
+    phase_dir: str | Path,
+    run_dir: str | Path,
+    init_from: str | Path = "",
+    **derived,
 ) -> TrainConfig:
-    """The base run config with a catalog phase's settings; `init_from`: the previous final/."""
+    """The base run config with a catalog phase's settings; `init_from`: the previous final/;
+    `derived`: what the caller derives (`resume_remixed` after a removal re-linked the set)."""
     return run_config(
         phase,
         name=phase.name,
@@ -265,4 +271,5 @@ def run_config_for_phase(
         run_dir=run_dir,
         model=phase.model,
         init_from=init_from,
+        **derived,
     )

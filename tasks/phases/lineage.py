@@ -3,8 +3,8 @@ given URLs or keys (and at which step first), and those that trained on rows rem
 
 Columnar and bounded: a checkpoint's rows are its segments replayed (`sdtrain.lineage.drawn`),
 looked up in the run's copy of each set one record batch at a time; no Python object per row.
-Removals are read from `<root>/<source>/removals/*.json`, each record's `keys` and `urls` lists
-(the removal stage's records; nothing else of them is read).
+Removed rows are read from each source's `<root>/<source>/removals/blocklist.parquet` (its `key`
+and `url` columns: every row a removal took out, `tasks.removal.lists`), not from the records.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from sdtrain.lineage import (
     set_batches,
     set_copy,
 )
+from tasks.removal import lists
 
-REMOVALS = "removals"  # <root>/<source>/removals/*.json: {"keys": [...], "urls": [...], ...}
+# <root>/<source>/removals/blocklist.parquet: key, url, hash, sha256 of every row removed
+REMOVED = f"*/{lists.FOLDER}/{lists.BLOCKLIST}"
 FLAGS = ".lineage-flags.json"  # under <root>/runs/: the last flags and what they were made of
 SCHEMA = pa.schema(
     [
@@ -120,12 +122,12 @@ def drawn_by_set(checkpoint: Path) -> list[tuple[str, Path, np.ndarray, np.ndarr
 
 
 def removed_ids(root: Path) -> pa.Array:
-    """Every key and URL the data root's removal records list (strings, distinct)."""
-    ids: list[str] = []
-    for record in sorted(Path(root).glob(f"*/{REMOVALS}/*.json")):
-        data = json.loads(record.read_text())
-        ids += [str(v) for v in data.get("keys", [])] + [str(v) for v in data.get("urls", [])]
-    return pc.unique(pa.array(ids, pa.string()))
+    """Every key and URL of a row removed from a source of the data root (distinct strings)."""
+    ids = [pa.array([], pa.string())]
+    for blocklist in sorted(Path(root).glob(REMOVED)):
+        table = pq.read_table(blocklist, columns=["key", "url"])
+        ids += [pc.drop_null(c).combine_chunks() for c in table.columns]
+    return pc.unique(pa.concat_arrays(ids))
 
 
 def lineage_batches(checkpoint: Path, removed: pa.Array | None = None) -> Iterator[pa.RecordBatch]:
@@ -236,9 +238,9 @@ def _step_of(checkpoint: Path) -> int:
 
 def removed_flags(root: Path) -> list[dict]:
     """`who_saw` of every key and URL removed (`removed_ids`), remembered under
-    `<root>/runs/` with the stats of what it was made of (removal records, checkpoints)."""
+    `<root>/runs/` with the stats of what it was made of (blocklists, checkpoints)."""
     root = Path(root)
-    records = sorted(root.glob(f"*/{REMOVALS}/*.json"))
+    records = sorted(root.glob(REMOVED))
     if not records:
         return []
     made_of = [

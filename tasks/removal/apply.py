@@ -263,14 +263,17 @@ def _waterfall(path: Path, keys: pa.Array, targets: dict[str, dict]) -> int:
 
 def not_rewritten(root: Path, phases: list[str]) -> list[str]:
     """What a removal cannot rewrite, for the record: the runs of phases whose sets it re-linked
-    (TensorBoard events and sample grids show what they trained on; logs name rows)."""
+    (TensorBoard events and sample grids show what they trained on; logs name rows; the copies
+    of their sets' rows under `lineage/` are what tells which rows their checkpoints saw)."""
     out = []
     for phase in phases:
         run = root / "runs" / phase
         if run.is_dir():
             for p in sorted(run.rglob("*")):
                 if p.is_file() and (
-                    "events.out.tfevents" in p.name or p.suffix in (".png", ".log", ".jsonl")
+                    "events.out.tfevents" in p.name
+                    or p.suffix in (".png", ".log", ".jsonl")
+                    or p.parent.name == "lineage"
                 ):
                     out.append(str(p.relative_to(root)))
     return out

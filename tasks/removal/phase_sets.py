@@ -4,8 +4,9 @@ A set reads rows of its linked files by position, and a removal compacts those f
 set that links one is written again (in a hidden folder, exchanged with the old in one rename):
 its manifest without the removed rows, every later row renumbered as the compacted files hold
 it, its index, captions and fingerprints made anew, and `removed.json` naming the removal. A run
-that has checkpoints of the old set is refused by mix (`refusal`): they trained on rows that are
-gone, and resuming would read other rows under their positions.
+with checkpoints of the old set resumes on the new one (`crossed`: the trainer's
+`resume_remixed`, a lineage segment per set, so which rows it saw stays derivable); it is refused
+(`refusal`) where that cannot hold: no row left, or a checkpoint without lineage.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import pyarrow.parquet as pq
 
 from sdtrain import captions, fingerprints, layout
 from sdtrain.atomic import TMP_MARK, clean_temporaries, replace_dir
+from sdtrain.checkpoint import LINEAGE_FILE
+from sdtrain.lineage import read_segments
+from sdtrain.run_data import manifest_digest
 from tasks.removal.rewrite import hit
 
 NOTE = "removed.json"
@@ -124,15 +128,46 @@ def relink(
     return int(drop.sum())
 
 
-def refusal(folder: Path, phase: str) -> str | None:
-    """Why the run of `phase` cannot resume on its re-linked set, or None (never re-linked)."""
+def removals(folder: Path) -> list[str]:
+    """The digests of the removals that re-linked the set, in order ([]: never re-linked)."""
     note = folder / NOTE
-    if not note.exists():
+    return json.loads(note.read_text()).get("removals", []) if note.exists() else []
+
+
+def refusal(folder: Path, phase: str, checkpoint: Path | None) -> str | None:
+    """Why the run of `phase` cannot resume from `checkpoint` on its re-linked set, or None
+    (never re-linked, or it resumes: `crossed`)."""
+    gone = removals(folder)
+    if not gone:
         return None
-    removals = json.loads(note.read_text()).get("removals", [])
-    return (
-        f"phase set {folder} was re-linked by removal {', '.join(r[:12] for r in removals)} "
-        f"(sdpipe remove; records under <root>/<source>/removals/): its run's checkpoints "
-        "trained on rows that are gone and count rows by their old positions. Delete "
-        f"runs/{phase}/checkpoints to train the phase again on the set without them"
+    named = (
+        f"phase set {folder} was re-linked by removal {', '.join(r[:12] for r in gone)} "
+        "(sdpipe remove; records under <root>/<source>/removals/)"
     )
+    if pq.read_metadata(folder / layout.MANIFEST).num_rows == 0:
+        return (
+            f"{named} and has no row left to resume on. Build more of its datasets "
+            f"(build-latents), then delete runs/{phase}/checkpoints to mix and train the phase "
+            "again"
+        )
+    lineage = Path(checkpoint) / LINEAGE_FILE if checkpoint is not None else None
+    if not (lineage and lineage.is_file()) or json.loads(lineage.read_text()).get(
+        "unrecorded_steps"
+    ):
+        # Its rows are unknown: a resume could not tell which removed rows the weights saw.
+        return (
+            f"{named}: the run's checkpoint {checkpoint} holds steps trained before sdpipe "
+            "recorded lineage, so the removed rows it trained on cannot be told. Delete "
+            f"runs/{phase}/checkpoints to train the phase again on the set without them"
+        )
+    return None
+
+
+def crossed(folder: Path, checkpoint: Path | None) -> list[str]:
+    """The removals a resume from `checkpoint` crosses (it resumes with `resume_remixed`): the
+    set's, unless the checkpoint's last segment already trained on the set as it is now."""
+    gone = removals(folder)
+    if not gone:
+        return []
+    segments = read_segments(checkpoint)
+    return [] if segments and segments[-1].set == manifest_digest(folder) else gone

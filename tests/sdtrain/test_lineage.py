@@ -18,6 +18,7 @@ from sdtrain import train as train_module
 from sdtrain.checkpoint import CheckpointError
 from sdtrain.lineage import read_segments
 from tasks.phases import lineage
+from tasks.removal import lists
 from tests.torch_threads import one_torch_thread
 
 from .conftest import bucket_latents, write_phase_set
@@ -117,9 +118,10 @@ def test_lineage_is_the_trainers_draw(make_config, tmp_path, monkeypatch, capsys
     listing.write_text(f"{url_of(never)}\n{one}\n")  # a URL and a key
     assert len(who_saw(root, capsys, "--list", str(listing))) == 3
 
-    # A removal since: status flags the checkpoints that drew the row, and the listing marks it.
-    (root / "demo" / "removals").mkdir()
-    (root / "demo" / "removals" / "r1.json").write_text(json.dumps({"urls": [url_of(one)]}))
+    # A removal since (the data root's blocklist, as `sdpipe remove` keeps it, naming the row by
+    # its URL): status flags the checkpoints that drew the row, and the listing marks it.
+    gone = {"key": ["demo/99999//0000"], "url": [url_of(one)], "hash": [None], "sha256": [None]}
+    lists.add_to_blocklist(root, "demo", pa.table(gone, schema=lists.BLOCK_SCHEMA))
     assert {f["checkpoint"] for f in lineage.removed_flags(root)} == {
         f["checkpoint"] for f in found
     }

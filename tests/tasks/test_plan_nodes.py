@@ -206,7 +206,7 @@ def test_the_curriculum_plans_on_the_nodes_it_trains_on(bucketed, monkeypatch):
         curriculum, "plan_task", lambda *args: planned.append(real_plan_task(*args))
     )
 
-    def train_task(root, phase, init_from, wandb_project, nodes, cluster):
+    def train_task(root, phase, init_from, wandb_project, nodes, cluster, remixed=False):
         trained.append((nodes, cluster))
         raise TrainingFailed("stopped before it starts")
 

@@ -8,6 +8,7 @@ absent) from the copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -27,13 +28,19 @@ import pytest
 
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
-from sdtrain import fingerprints, layout
+from flows.cli import main as cli
+from flows.remove import run_removal as run_removal_flow
+from sdtrain import fingerprints, layout, train
+from sdtrain.lineage import read_segments
+from sdtrain.run_data import manifest_digest
 from tasks.latents import encode, hf_export, kept_latents, tokenize
-from tasks.phases import mix
+from tasks.phases import lineage, mix
+from tasks.phases.train import train_config_for_phase
 from tasks.removal import apply, lists, phase_sets
 from tasks.runtime.shards import read_stats, summarize
 from tasks.sources import metadata
 from tests.tasks.test_demo_chain import run_chain
+from tests.torch_threads import one_torch_thread
 
 SOURCE = "demo"
 STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
@@ -237,11 +244,116 @@ def test_the_phase_set_is_relinked_to_the_same_samples(built, removed):
     assert removed.record["phase_sets"] == ["demo"]
 
 
-def test_a_run_with_checkpoints_of_the_old_set_is_refused_naming_the_removal(built, removed):
+def train_demo(root: Path, steps: int, *, resume_remixed: bool = False) -> Path:
+    """The demo phase's run on the root's phase set, in-process, to `steps` (a checkpoint each)."""
+    phase = load_catalog(PACKAGED_DIR).phase("demo")
+    config = train_config_for_phase(
+        phase, phase_dir=root / "phases" / "demo", run_dir=root / "runs" / "demo",
+        resume_remixed=resume_remixed,
+    )  # fmt: skip
+    config = dataclasses.replace(
+        config, max_steps=steps, batch_size=4, num_val_samples=4, checkpoint_every=1,
+        validate_every=0, sample_every=0, log_every=1,
+    )  # fmt: skip
+    with one_torch_thread():
+        train.train(config)
+    return root / "runs" / "demo" / "final"
+
+
+def keys_drawn(checkpoint: Path) -> list[set[str]]:
+    """The keys a checkpoint trained on, per set it trained on (its lineage)."""
+    out = []
+    for _, copy, rows, _ in lineage.drawn_by_set(checkpoint):
+        keys = pa.ipc.open_file(pa.memory_map(str(copy))).read_all()["key"].to_numpy(False)
+        out.append(set(keys[rows].tolist()))
+    return out
+
+
+def test_a_run_resumes_on_the_relinked_set_with_a_new_lineage_segment(
+    built, tmp_path, monkeypatch, capsys
+):
+    """Train, remove rows it drew (the flow's own path), status flags the checkpoint, the run
+    resumes from it on the re-linked set: a second segment, without the removed rows."""
+    root = tmp_path / "data"
+    shutil.copytree(built.root, root, symlinks=True)
+    monkeypatch.setenv("SDPIPE_CATALOG", str(PACKAGED_DIR))
+    checkpoint = train_demo(root, 2)
+    (first,) = keys_drawn(checkpoint)
+    gone = sorted(first)[:3]
+    list_file = tmp_path / "takedown.txt"
+    list_file.write_text("\n".join(gone) + "\n")
+    record = run_removal_flow(root, SOURCE, list_file)
+    assert record["phase_sets"] == ["demo"] and record["num_rows"] == len(gone)
+    lineage_copy = f"runs/demo/lineage/{read_segments(checkpoint)[0].set}.arrow"
+    assert lineage_copy in record["not_rewritten"]  # it names the rows the checkpoint saw
+
+    flagged = {f["checkpoint"]: f["num_rows"] for f in lineage.removed_flags(root)}
+    assert flagged[str(checkpoint)] == len(gone)
+    capsys.readouterr()
+    assert cli(["--data-root", str(root), "status"]) == 0
+    assert f"removed since: {checkpoint} trained on {len(gone)} removed rows" in (
+        capsys.readouterr().out
+    )
+
+    report = mix.phase_set_for_run(root, built.catalog, built.phase)  # resumed on, not refused
+    assert report["reused"] and report["remixed"] == [record["list_sha256"]]
+    final = train_demo(root, 4, resume_remixed=True)
+    segments = read_segments(final)
+    assert [(s.first_step, s.last_step) for s in segments] == [(0, 2), (2, 4)]
+    assert segments[1].set == manifest_digest(root / "phases" / "demo") != segments[0].set
+    before, after = keys_drawn(final)
+    assert before == first and after and not after & set(gone)
+    # Resumed once on it: the set is the checkpoint's own now, a plain resume.
+    assert mix.phase_set_for_run(root, built.catalog, built.phase)["remixed"] == []
+
+
+def test_the_curriculum_trains_a_remixed_set_with_resume_remixed(tmp_path, monkeypatch):
+    """The flow hands mix's `remixed` to the training: its run config says `resume_remixed`."""
+    import logging
+
+    from flows import curriculum
+
+    phase = load_catalog(PACKAGED_DIR).phase("demo")
+    configs = []
+
+    def launch(config, *, on_line):
+        configs.append(config)
+        raise curriculum.TrainingFailed("stopped before it starts")
+
+    logger = logging.getLogger("curriculum")
+    monkeypatch.setattr(curriculum, "get_run_logger", lambda: logger)
+    monkeypatch.setattr(curriculum, "export_secrets", lambda: None)
+    monkeypatch.setattr(curriculum, "preflight", lambda name, root: (None, phase, ""))
+    monkeypatch.setattr(curriculum.mix, "run_has_checkpoints", lambda *a: True)  # no plan
+    monkeypatch.setattr(curriculum, "train_task", curriculum.train_task.fn)  # no task run
+    monkeypatch.setattr(curriculum, "create_progress_artifact", lambda *a, **k: None)
+    monkeypatch.setattr(curriculum, "training_slot", contextlib.nullcontext)
+    monkeypatch.setattr(curriculum, "launch_training", launch)
+    for remixed in ([], ["ab" * 32]):
+        monkeypatch.setattr(curriculum, "mix_task", lambda *a, r=remixed: {"remixed": r})
+        state = curriculum.curriculum.fn(phase="demo", data_root=str(tmp_path))
+        assert state.message == "stopped before it starts"
+    assert [c.resume_remixed for c in configs] == [False, True]
+
+
+def test_a_set_a_removal_emptied_is_refused_naming_it(tmp_path):
+    folder = tmp_path / "phases" / "demo"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.table({"key": pa.array([], pa.string())}), folder / layout.MANIFEST)
+    (folder / phase_sets.NOTE).write_text(json.dumps({"removals": ["ab" * 32]}))
+    refused = phase_sets.refusal(folder, "demo", None)
+    assert "re-linked by removal abababababab" in refused and "no row left" in refused
+    assert "delete runs/demo/checkpoints" in refused
+
+
+def test_a_checkpoint_without_lineage_is_refused_naming_the_removal(built, removed):
+    """A checkpoint from before sdpipe recorded lineage cannot say which removed rows it saw."""
     checkpoints = removed.root / "runs" / "demo" / "checkpoints" / "step-00000004"
     checkpoints.mkdir(parents=True)
     try:
-        with pytest.raises(mix.MixError, match=r"re-linked by removal .*Delete runs/demo/checkp"):
+        with pytest.raises(
+            mix.MixError, match=r"re-linked by removal .*lineage.*Delete runs/demo/checkp"
+        ):
             mix.phase_set_for_run(removed.root, built.catalog, built.phase)
     finally:
         shutil.rmtree(removed.root / "runs")
