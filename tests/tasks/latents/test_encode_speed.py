@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tasks.latents import encode
-from tests.tasks.test_encode_buckets import (
+from tests.tasks.latents.test_encode_buckets import (
     BUCKETS,
     bucketed,  # noqa: F401 (fixture)
     make_shard,

@@ -23,8 +23,8 @@ from tasks.curation import views as views_stage
 from tasks.latents import encode, kept_latents, latent_keys, tokenize
 from tasks.phases import mix
 from tasks.sources.fetch_images import invalidate_downstream
-from tests.tasks.test_encode import SOURCE, texture
-from tests.tasks.test_encode_buckets import (
+from tests.tasks.latents.test_encode import SOURCE, texture
+from tests.tasks.latents.test_encode_buckets import (
     PLAN,
     SHARD,
     STORED,
@@ -33,7 +33,7 @@ from tests.tasks.test_encode_buckets import (
     spec_of,
     token_order,
 )
-from tests.tasks.test_mix import phase
+from tests.tasks.phases.test_mix import phase
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from tasks.curation import semantic_dedup
 from tasks.curation import semantic_partitioned as sp
 from tasks.curation.partition_files import LocalProcesses, peak_rss_gb
 from tasks.curation.semantic_dedup import Centroids, Parts, SemanticIndex
-from tests.tasks.test_dedup import greedy_over_all_pairs
-from tests.tasks.test_semantic_dedup import THRESHOLD, all_pairs, planted
+from tests.tasks.curation.test_dedup import greedy_over_all_pairs
+from tests.tasks.curation.test_semantic_dedup import THRESHOLD, all_pairs, planted
 
 ROWS_PER_FILE = 400
 

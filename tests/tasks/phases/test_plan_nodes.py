@@ -15,8 +15,8 @@ from flows import cli
 from sdtrain.data import BucketBatchSampler, EpochSampler
 from sdtrain.schedules import total_optimizer_steps
 from tasks.phases import plan
-from tests.tasks.test_mix import catalog, encoded_source, phase
-from tests.tasks.test_mix_buckets import bucketed_source, every_key, plant_views
+from tests.tasks.phases.test_mix import catalog, encoded_source, phase
+from tests.tasks.phases.test_mix_buckets import bucketed_source, every_key, plant_views
 
 # 16x32's 9 rows fill a global batch of 2 x 2 ranks, not one of 2 x 6.
 BUCKETS = ["16x16"] * 40 + ["16x24"] * 23 + ["24x16"] * 13 + ["16x32"] * 9

@@ -29,8 +29,8 @@ from sdtrain.atomic import TMP_MARK
 from sdtrain.models import build_vae
 from tasks.latents import encode, images, latent_keys
 from tasks.runtime.shards import ShardStats
-from tests.tasks.test_encode import SOURCE, texture, write_shard
-from tests.tasks.test_encode import assert_close_to_reference as assert_close
+from tests.tasks.latents.test_encode import SOURCE, texture, write_shard
+from tests.tasks.latents.test_encode import assert_close_to_reference as assert_close
 
 SHARD = "00000"
 PLAN = {"area": 64 * 64, "step": 16, "min_side": 32, "max_side": 128, "max_aspect": 2}
@@ -453,7 +453,7 @@ def test_a_re_encode_under_another_spec_keeps_what_phase_sets_link(
     from sdtrain.data import PhaseSet
     from tasks.curation import views as views_stage
     from tasks.phases import mix
-    from tests.tasks.test_mix import phase
+    from tests.tasks.phases.test_mix import phase
 
     make_shard(tmp_path, stored)
     plain, flipped = spec_of(bucketed), spec_of(bucketed, flips=True)

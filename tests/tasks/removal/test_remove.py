@@ -424,8 +424,8 @@ def test_a_removal_killed_by_sigkill_then_run_again_ends_as_one_run(built, remov
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(root), str(removed.list)],
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+        cwd=Path(__file__).resolve().parents[3],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
     )
     assert done.returncode == -signal.SIGKILL
     run_removal(built, root, removed.list)

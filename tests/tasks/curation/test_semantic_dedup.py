@@ -23,7 +23,7 @@ from tasks.curation import dedup, semantic_dedup, semantic_store
 from tasks.curation import filter as filter_stage
 from tasks.curation.semantic_dedup import Missed, Parts, SemanticIndex
 from tasks.curation.waterfall import Waterfall
-from tests.tasks.test_dedup import (
+from tests.tasks.curation.test_dedup import (
     PROFILE,
     assert_one_survivor_per_group,
     greedy_over_all_pairs,

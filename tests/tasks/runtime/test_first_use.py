@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
 # Each job is the first use of one lazily built object, started by several threads at once
 # (a barrier lines them up); the main thread has imported nothing heavy beforehand.

@@ -25,7 +25,7 @@ from tasks.curation import views as views_stage
 from tasks.latents import latent_keys
 from tasks.phases import mix, mix_read, plan
 from tasks.runtime.shards import ShardStats, stats_path
-from tests.tasks.test_mix import catalog, encoded_source, phase, planted_view
+from tests.tasks.phases.test_mix import catalog, encoded_source, phase, planted_view
 
 SPEC = {"vae": "tiny-vae", "plan": {"area": 256, "step": 8}, "views": 1, "channels": 4}
 

@@ -24,7 +24,7 @@ from PIL import Image
 
 from tasks.sources import demo_source
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
 NUM_IMAGES = 48  # the small shard; the large one has 4x. Either fills the pipeline's slots.
 BATCH_SIZE = 8
 INPUT_BYTES = 4 * 3 * (224 * 224 + 256 * 256)  # fp32 CLIP + watermark inputs of one image

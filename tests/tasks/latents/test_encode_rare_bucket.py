@@ -14,8 +14,8 @@ import torch
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
 from tasks.latents import encode, encode_pipeline, latent_keys
-from tests.tasks.test_encode import SOURCE, texture, write_shard
-from tests.tasks.test_encode_buckets import PLAN, image_bytes
+from tests.tasks.latents.test_encode import SOURCE, texture, write_shard
+from tests.tasks.latents.test_encode_buckets import PLAN, image_bytes
 
 
 def test_a_rare_buckets_image_holds_its_shards_record_a_bounded_number_of_batches(
