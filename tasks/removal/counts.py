@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from catalog import FilterProfile
 from tasks.curation import filter as filter_stage
+from tasks.curation import filter_pixels
 from tasks.removal.rewrite import hit
 from tasks.runtime.shards import (
     WHOLE_STAGE,
@@ -162,7 +163,7 @@ def targets(
                 dropped = set().union(*inputs.values()) - set().union(set(), *kept.values())
 
                 def pixel_rows(con):
-                    filter_stage.pixel_rows(con, root, source, profile, scored=scored)
+                    filter_pixels.pixel_rows(con, root, source, profile, scored=scored)
 
                 reasons = _rule_reasons(pixel_rows, root, profile, "pixels", dropped, stats)
                 total = sum(len(v) for v in kept.values())

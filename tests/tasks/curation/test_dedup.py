@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from catalog import FilterProfile
-from tasks.curation import dedup, phash_dedup, score
+from tasks.curation import dedup, filter_pixels, phash_dedup, score
 from tasks.curation import filter as filter_stage
 from tasks.curation.waterfall import Waterfall
 
@@ -176,7 +176,7 @@ def test_three_levels_find_the_planted_duplicates_and_keep_the_intended_survivor
     fetched, scene, tmp_path
 ):
     planted_source(fetched, scene, tmp_path)
-    stats = filter_stage.select_pixels(tmp_path, "src", PROFILE, scored=True)
+    stats = filter_pixels.select_pixels(tmp_path, "src", PROFILE, scored=True)
     kept = pq.read_table(tmp_path / "src" / "selected" / "00000.parquet")["key"].to_pylist()
     # a1: same bytes as a0 (smallest key); b0: smaller copy of b1 (largest image wins over
     # the smaller key); c0: same meaning as c1, lower aesthetic.
@@ -196,7 +196,7 @@ def test_three_levels_find_the_planted_duplicates_and_keep_the_intended_survivor
 def test_near_and_semantic_dedup_need_the_score_stage(fetched, scene, tmp_path):
     planted_source(fetched, scene, tmp_path)
     with pytest.raises(filter_stage.ProfileError) as info:
-        filter_stage.select_pixels(tmp_path, "src", PROFILE, scored=False)
+        filter_pixels.select_pixels(tmp_path, "src", PROFILE, scored=False)
     assert "'phash'" in str(info.value) and "scorer" in str(info.value)
 
 
@@ -215,7 +215,7 @@ def test_each_selected_shard_holds_its_own_kept_rows_in_key_order(fetched, tmp_p
         tmp_path, "src", rows(["f9", "e5"]) + [{"key": "e0", "status": "http_404"}], shard="00002"
     )
     exact = FilterProfile(name="exact", dedup=("sha256",))
-    stats = filter_stage.select_pixels(tmp_path, "src", exact)
+    stats = filter_pixels.select_pixels(tmp_path, "src", exact)
     selected = tmp_path / "src" / "selected"
     kept = {
         p.stem: pq.read_table(p)["key"].to_pylist() for p in sorted(selected.glob("[0-9]*.parquet"))

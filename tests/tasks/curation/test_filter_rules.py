@@ -14,6 +14,7 @@ import pytest
 
 from catalog import FilterProfile
 from tasks.curation import filter as filter_stage
+from tasks.curation import filter_pixels
 from tests.tasks.metadata_rows import RECIPE, SCHEMA, SOURCE, row, write_metadata
 
 PROFILE = RECIPE
@@ -179,7 +180,7 @@ def test_pixel_selection_after_everything_was_filtered_out(tmp_path):
     # follows must still complete, with nothing selected.
     stats, _ = run_filter(tmp_path, [row("a", aesthetic=1.0)])
     assert stats.num_out == 0
-    selected = filter_stage.select_pixels(tmp_path, SOURCE, PROFILE)
+    selected = filter_pixels.select_pixels(tmp_path, SOURCE, PROFILE)
     assert (selected.num_in, selected.num_out, selected.skipped) == (0, 0, False)
     assert list((tmp_path / SOURCE / "selected").glob("[0-9]*.parquet")) == []
 
@@ -220,11 +221,11 @@ def test_an_edited_build_profile_is_refused_not_silently_ignored(tmp_path):
 
 def test_an_edited_profile_is_refused_by_the_pixel_selection_too(tmp_path):
     run_filter(tmp_path, [row("a", aesthetic=1.0)])
-    filter_stage.select_pixels(tmp_path, SOURCE, PROFILE)
+    filter_pixels.select_pixels(tmp_path, SOURCE, PROFILE)
     stricter = dataclasses.replace(PROFILE, dedup=("url", "sha256", "phash"))
     with pytest.raises(filter_stage.ProfileChanged, match=r"dedup: \['url', 'sha256'\] -> "):
-        filter_stage.select_pixels(tmp_path, SOURCE, stricter)
-    assert filter_stage.select_pixels(tmp_path, SOURCE, PROFILE).skipped
+        filter_pixels.select_pixels(tmp_path, SOURCE, stricter)
+    assert filter_pixels.select_pixels(tmp_path, SOURCE, PROFILE).skipped
 
 
 def test_a_record_from_before_profiles_were_recorded_is_accepted(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 
 from catalog import FilterProfile
 from tasks.curation import filter as filter_stage
+from tasks.curation import filter_pixels
 
 GOOD = {"width": 800.0, "height": 600.0, "similarity": 0.3, "punsafe": 0.1}
 GOOD |= {"pwatermark": 0.1, "aesthetic": 7.0}
@@ -67,7 +68,7 @@ def test_non_positive_size_is_unknown_metadata_passes_pixels_fail(tmp_path, fetc
         {"key": "b", "caption": "y", "width": 300.0, "height": 300.0, "image": scene(1)},
     ]
     fetched(tmp_path / "pix", "src", rows)
-    stats = filter_stage.select_pixels(tmp_path / "pix", "src", profile)
+    stats = filter_pixels.select_pixels(tmp_path / "pix", "src", profile)
     assert stats.dropped == {"too_small": 1}
     assert (stats.num_in, stats.num_out) == (2, 1)
 
@@ -83,7 +84,7 @@ def test_one_unknown_pixel_side_fails_the_size_rule(tmp_path, fetched, scene, un
         {"key": "ok", "caption": "z", "width": 600.0, "height": 600.0, "image": scene(2)},
     ]
     fetched(tmp_path, "src", rows)
-    stats = filter_stage.select_pixels(tmp_path, "src", profile)
+    stats = filter_pixels.select_pixels(tmp_path, "src", profile)
     assert stats.dropped == {"too_small": 2}
     kept = pq.read_table(tmp_path / "src" / "selected" / "00000.parquet")["key"].to_pylist()
     assert kept == ["ok"]

@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 
 from catalog import FilterProfile
 from sdtrain.atomic import write_json_atomic
-from tasks.curation import filter as filter_stage
-from tasks.curation import score, selection
+from tasks.curation import filter_pixels, score, selection
 from tasks.runtime.shards import ShardStats, stats_path
 
 PROFILE = FilterProfile(name="scored", min_aesthetic=6.0, dedup=("sha256",))
@@ -53,18 +52,18 @@ def test_a_rescore_by_another_scorer_selects_again_and_reruns_what_changed(
 ):
     root = tmp_path
     plant(fetched, scene, root, {"a0": 7.0, "a1": 7.0, "b0": 7.0, "b1": 7.0})
-    first = filter_stage.select_pixels(root, "src", PROFILE, scored=True, scorer_identity=FIRST)
+    first = filter_pixels.select_pixels(root, "src", PROFILE, scored=True, scorer_identity=FIRST)
     assert first.extra["scorer_identity"] == FIRST and first.num_out == 4
     for shard in ("00000", "00001"):
         built_from_selection(root, shard)
-    again = filter_stage.select_pixels(root, "src", PROFILE, scored=True, scorer_identity=FIRST)
+    again = filter_pixels.select_pixels(root, "src", PROFILE, scored=True, scorer_identity=FIRST)
     assert again.skipped
     assert selection.selection_done(root, "src", FIRST)
     assert not selection.selection_done(root, "src", SECOND)
 
     # Re-scored by the second identity: b1 now fails the aesthetic rule.
     plant(fetched, scene, root, {"a0": 7.0, "a1": 7.0, "b0": 7.0, "b1": 5.0})
-    new = filter_stage.select_pixels(root, "src", PROFILE, scored=True, scorer_identity=SECOND)
+    new = filter_pixels.select_pixels(root, "src", PROFILE, scored=True, scorer_identity=SECOND)
     assert not new.skipped and new.extra["scorer_identity"] == SECOND
     assert (new.num_out, new.dropped) == (3, {"aesthetic": 1})
     assert (kept(root, "00000"), kept(root, "00001")) == (["a0", "a1"], ["b0"])
@@ -79,7 +78,7 @@ def test_a_shard_scored_again_by_another_scorer_forgets_the_selection(fetched, s
     which knows the scores changed, removes its record."""
     root = tmp_path
     plant(fetched, scene, root, {"a0": 7.0, "a1": 7.0, "b0": 7.0, "b1": 7.0})
-    filter_stage.select_pixels(root, "src", PROFILE, scored=True)  # no identity recorded
+    filter_pixels.select_pixels(root, "src", PROFILE, scored=True)  # no identity recorded
     assert selection.selection_done(root, "src", FIRST)  # accepted as it is
     scored = ShardStats(stage=score.STAGE, source="src", shard="00001", num_in=2, num_out=2)
     scored.extra = {"scorer": "mine", "scorer_identity": FIRST}

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from catalog.schema import FilterProfile
-from tasks.curation import dedup, semantic_dedup, semantic_store
-from tasks.curation import filter as filter_stage
+from tasks.curation import dedup, filter_pixels, semantic_dedup, semantic_store
 from tasks.curation.semantic_dedup import Missed, Parts, SemanticIndex
 from tasks.curation.waterfall import Waterfall
 from tests.tasks.curation.test_dedup import (
@@ -352,7 +351,7 @@ def test_the_rows_past_their_visits_and_the_missed_estimate_are_in_the_record_an
     monkeypatch.setattr(dedup, "SemanticIndex", Counted)
     planted_source(fetched, scene, tmp_path)
     profile = dataclasses.replace(PROFILE, semantic_visits=5)
-    stats = filter_stage.select_pixels(tmp_path, "src", profile, scored=True)
+    stats = filter_pixels.select_pixels(tmp_path, "src", profile, scored=True)
     assert made == [5]
     notes = {
         "semantic_visits": 5,
@@ -390,7 +389,7 @@ def test_the_store_goes_to_the_semantic_temp_folder(fetched, scene, tmp_path, mo
     else:
         monkeypatch.delenv(dedup.SEMANTIC_TEMP_ENV, raising=False)
     planted_source(fetched, scene, tmp_path)
-    filter_stage.select_pixels(tmp_path, "src", PROFILE, scored=True)
+    filter_pixels.select_pixels(tmp_path, "src", PROFILE, scored=True)
     assert used == [local if setting else tmp_path / "src"]
     assert list(used[0].glob(".semantic.tmp-*")) == []  # removed after use
 

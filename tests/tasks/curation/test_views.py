@@ -11,8 +11,7 @@ import pyarrow.parquet as pq
 
 from catalog import Catalog, Dataset, FilterProfile, Source
 from sdtrain.atomic import write_json_atomic
-from tasks.curation import filter as filter_stage
-from tasks.curation import views
+from tasks.curation import filter_pixels, views
 from tasks.curation.waterfall import Waterfall
 from tasks.phases import mix
 from tasks.runtime.shards import ShardStats, stats_path
@@ -62,7 +61,7 @@ def built_source(fetched, scene, root) -> None:
         for i, (key, (aesthetic, pwatermark, side)) in enumerate(scores.items())
     ]
     fetched(root, "src", rows)
-    filter_stage.select_pixels(root, "src", BROAD)
+    filter_pixels.select_pixels(root, "src", BROAD)
 
 
 def test_a_stricter_view_is_a_query_over_the_source_selection(fetched, scene, tmp_path):

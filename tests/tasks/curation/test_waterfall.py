@@ -17,7 +17,7 @@ from PIL import Image
 
 from catalog import FilterProfile
 from tasks.curation import filter as filter_stage
-from tasks.curation import waterfall
+from tasks.curation import filter_pixels, waterfall
 from tasks.curation.waterfall import MAX_SAMPLES, Waterfall
 from tasks.runtime import pictures
 from tests.image_sources import html_sources, markdown_sources, not_embedded
@@ -100,7 +100,7 @@ def test_pixel_gallery_embeds_thumbnails_of_the_fetched_images(fetched, scene, t
     ]
     fetched(tmp_path, "src", rows)
     profile = FilterProfile(name="size", min_side=512, dedup=("sha256",))
-    stats = filter_stage.select_pixels(tmp_path, "src", profile)
+    stats = filter_pixels.select_pixels(tmp_path, "src", profile)
     assert stats.dropped == {"too_small": 1}
     page = (tmp_path / "src" / "selected" / "gallery.html").read_text()
     assert page.count("data:image/jpeg;base64,") == 1
@@ -157,7 +157,7 @@ def test_empty_metadata_folder_gives_a_zero_row_report(tmp_path):
 
 def test_no_fetched_shards_gives_a_zero_row_report(tmp_path):
     profile = FilterProfile(name="all-levels", dedup=("sha256", "phash", "semantic"))
-    stats = filter_stage.select_pixels(tmp_path, "src", profile, scored=True)
+    stats = filter_pixels.select_pixels(tmp_path, "src", profile, scored=True)
     assert (stats.num_in, stats.num_out, stats.dropped) == (0, 0, {})
     wf = Waterfall.read(tmp_path / "src" / "selected" / "waterfall.json")
     assert [s.rule for s in wf.steps][-2:] == ["duplicate_phash", "duplicate_semantic"]

@@ -13,6 +13,7 @@ import pytest
 
 from catalog import FilterProfile, Source
 from tasks.curation import filter as filter_stage
+from tasks.curation import filter_pixels
 from tasks.latents import tokenize
 from tasks.runtime.shards import generation, stats_path
 from tasks.sources import demo_source, fetch_images, metadata
@@ -102,7 +103,7 @@ def test_blocklist_fetch_and_refetch(tmp_path, mirror):
     assert generation(root, "laion") == 1
 
     # ... and on to tokens, as build-latents goes on: every sample accounted for.
-    selected = filter_stage.select_pixels(root, "laion", PROFILE)
+    selected = filter_pixels.select_pixels(root, "laion", PROFILE)
     assert selected.num_in == again.num_out  # every fetched image is judged
     assert selected.num_in == selected.num_out + sum(selected.dropped.values())
     tokens = tokenize.tokenize_shard(root, "laion", "00000")
