@@ -140,7 +140,7 @@ def run_nodes(k: int, args, base: str) -> dict:
     from prefect import flow
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from flows.build_latents import TASK_THREADS, stage_limits
+    from flows.build_latents import TASK_THREADS, stage_limits, with_node
     from flows.cluster import Cluster
     from flows.stages import run_stage
     from tasks.sources import fetch_images
@@ -163,14 +163,16 @@ def run_nodes(k: int, args, base: str) -> dict:
         def unit(source: str, shard: str):
             return cluster.unit(
                 "shards",
-                functools.partial(
-                    fetch_images.fetch_images_shard,
-                    root,
-                    source,
-                    shard,
-                    image_size=SIZE,
-                    min_side=0,
-                    allow_private_hosts=True,  # served on 127.0.0.1
+                with_node(
+                    functools.partial(
+                        fetch_images.fetch_images_shard,
+                        root,
+                        source,
+                        shard,
+                        image_size=SIZE,
+                        min_side=0,
+                        allow_private_hosts=True,  # served on 127.0.0.1
+                    )
                 ),
             )
 

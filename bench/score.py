@@ -106,6 +106,7 @@ def main() -> None:
     from catalog.schema import ScoringModel
     from tasks.curation import score
     from tasks.runtime import concurrency
+    from tasks.runtime.node import local_node
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.size == "tiny":
@@ -130,6 +131,7 @@ def main() -> None:
             scorer = score.load_scorer(spec, torch.device(device), fast=fast)
             build_s = time.perf_counter() - start
             kw = dict(device=device, batch_size=batch_size, workers=args.workers, fast=fast)
+            kw["node"] = local_node(args.workers)  # its decode processes: the budget's
             if fast:
                 kw["processes"] = processes
             score.score_shard(root, "bench", "00000", spec, **kw)
@@ -216,8 +218,9 @@ def cpu_side_rate(scorer, images: list[bytes], batch_size: int, workers: int, pr
     from collections import deque
 
     from tasks.curation import score_decode, score_slots
+    from tasks.runtime.node import local_node
 
-    pool = score_decode.decode_pool(workers) if processes else None
+    pool = score_decode.decode_pool(local_node(workers)) if processes else None
 
     def run(data: list[bytes]) -> float:
         slots = score_slots.Slots(scorer, 3 * batch_size, shared=processes)

@@ -5,8 +5,9 @@ encode; score runs when the source's profile names a scorer. Global stages (filt
 filter-pixels) wait for every shard before them; per-shard stages run for the shards whose
 inputs finished, so one bad shard costs only its own chain.
 
-The node sets the pace (`workers`: the node's worker budget, default the cores, see
-tasks/runtime/concurrency.py), each stage with its own bound: fetch `concurrency.fetch_shards`,
+The node sets the pace (`workers`: the node's worker budget, default the cores; the flow
+builds its `Node` once, tasks/runtime/node.py, and passes it to every stage function, whose
+process pools live within it), each stage with its own bound: fetch `concurrency.fetch_shards`,
 repack `concurrency.pooled_shards` (into the shared decode pool), tokenize `workers` shards
 (in processes above 2), score and encode one long-lived worker per device of the GPU pool
 (flows/devices.py). Per-shard stages overlap where no global step sits between them: a
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -27,14 +27,16 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
 from flows import pools
-from flows.cluster import Cluster, ClusterError, cluster_address
-from flows.devices import Devices, read_ahead, warm_file
+from flows.cluster import ClusterError
+from flows.devices import read_ahead, warm_file
+from flows.executor import Executor, executor
 from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
 from tasks.curation import filter, filter_pixels, score, selection, views
 from tasks.curation.score import ScoringWeightsError
 from tasks.latents import encode, hf_export, images, tokenize
 from tasks.runtime import concurrency, shards
+from tasks.runtime.node import Node
 from tasks.runtime.shards import read_stats, summarize
 from tasks.sources import adapters, demo_source, fetch_images, metadata
 from tasks.sources.table import SourceError
@@ -116,15 +118,14 @@ def build_latents(
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
-        budget = concurrency.workers(workers)
+        concurrency.workers(workers)
     except ValueError as e:  # workers=0, SDPIPE_WORKERS=abc: the message says what it expects
         logger.error(str(e))
         return Failed(message=str(e))
-    address = cluster_address(cluster)
     try:
         catalog, src = preflight(source, root)
-        with worker_budget(budget), _cluster(address, workers) as nodes:
-            run_source(root, catalog, src, hf_dataset=hf_dataset, workers=budget, cluster=nodes)
+        with executor(cluster, workers) as nodes:
+            run_source(root, catalog, src, nodes, hf_dataset=hf_dataset)
     except (CatalogError, SourceError, ScoringWeightsError, StageFailed, ClusterError) as e:
         logger.error(str(e))
         return Failed(message=str(e))
@@ -135,29 +136,6 @@ def build_latents(
         description=f"build-latents {source}: samples per stage",
     )
     return summary
-
-
-def _cluster(address: str | None, workers: int | None):
-    """The run's cluster (its nodes' agents started), or nothing for a one-node run."""
-    if address is None:
-        return contextlib.nullcontext()
-    return Cluster(address, workers=workers)
-
-
-@contextlib.contextmanager
-def worker_budget(budget: int):
-    """`SDPIPE_WORKERS` is the run's budget while it runs, so what sizes itself from the
-    setting (fetch-images' downloader processes, `concurrency.fetch_parallelism`) follows the
-    flow's `workers` too."""
-    saved = os.environ.get("SDPIPE_WORKERS")
-    os.environ["SDPIPE_WORKERS"] = str(budget)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("SDPIPE_WORKERS", None)
-        else:
-            os.environ["SDPIPE_WORKERS"] = saved
 
 
 def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[str, int]:
@@ -183,29 +161,24 @@ def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[st
 class _Run:
     """The stages of one source's build: what failed so far, and the barriers it blocks."""
 
-    def __init__(self, root: Path, src: Source, budget: int, cluster: Cluster | None = None):
-        self.root, self.name, self.budget = root, src.name, budget
-        self.cluster = cluster
+    def __init__(self, root: Path, src: Source, nodes: Executor):
+        self.root, self.name, self.nodes = root, src.name, nodes
+        # Each node's limits (on a cluster summed: every node at its one-node pace).
         archive = src.kind in ("archive", "folder")
-        if cluster is None:
-            self.limits = stage_limits(budget, len(pools.node_devices()), archive=archive)
-        else:  # each node's limits, summed: every node at its one-node pace
-            self.limits = cluster.limits(functools.partial(stage_limits, archive=archive))
+        self.limits = nodes.limits(functools.partial(stage_limits, archive=archive))
         self.stages = StageRun(root, src.name)
         self.failures: list[str] = []
         self.permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
         self.scorer_identity: dict | None = None  # the score stage's (`score.scorer_identity`)
 
     def remote(self, stage_name: str, unit, shard: str):
-        """A per-shard unit of a CPU stage, run on a node of the cluster when there is one."""
-        return unit if self.cluster is None else self.cluster.unit(stage_name, unit, shard)
+        """A per-shard unit of a CPU stage (`unit(node)`), run on a node of the executor's."""
+        return self.nodes.unit(stage_name, unit, shard)
 
     def devices(self, stage_name: str, name: str, serve, release):
-        """A GPU stage's workers: one per device of this node, or of every node of the
-        cluster."""
-        if self.cluster is None:
-            return Devices(name, serve, release=release)
-        return self.cluster.devices(stage_name, name, serve, release)
+        """A GPU stage's workers (`serve(node, device, shards)`): one per device of each of the
+        executor's nodes."""
+        return self.nodes.devices(stage_name, name, serve, release)
 
     def stage(
         self,
@@ -258,33 +231,17 @@ def run_source(
     root: Path,
     catalog: Catalog,
     src: Source,
+    nodes: Executor,
     *,
     hf_dataset: bool = False,
-    workers: int | None = None,
-    cluster: Cluster | None = None,
 ) -> None:
+    """Every stage of `src` on the executor's nodes (`flows.executor`: this node, or a Ray
+    cluster's)."""
     name = src.name
     profile = catalog.profile(src.profile)
     model = catalog.model(src.model)
-    budget = concurrency.workers(workers)
-    run = _Run(root, src, budget, cluster)
-    if cluster is None:
-        get_run_logger().info(
-            "build-latents %s: %d workers, devices %s",
-            name,
-            budget,
-            ", ".join(pools.node_devices()),
-        )
-    else:
-        get_run_logger().info(
-            "build-latents %s on the Ray cluster at %s: %s",
-            name,
-            cluster.address,
-            cluster.describe(),
-        )
-    # On a cluster each node's budget is its own (its agent's SDPIPE_WORKERS), read there.
-    node_budget = budget if cluster is None else None
-
+    run = _Run(root, src, nodes)
+    get_run_logger().info("build-latents %s on %s", name, nodes.describe())
     scored, scorer = bool(profile.scorer), None
     if scored:
         spec = catalog.scorer(profile.scorer)
@@ -329,7 +286,7 @@ def run_source(
     encoders = run.devices(
         encode.STAGE,
         f"encode-{name}",
-        functools.partial(_serve_latents, root, name, model, node_budget, spec),
+        functools.partial(_serve_latents, root, name, model, spec),
         encode.release_device,
     )
     with encoders:
@@ -346,7 +303,7 @@ def run_source(
         if hf_dataset:
             tokens.on_end(lambda _: _export_hf(run))
         for s in shard_names:
-            tokens.add(s, run.remote("tokens", _tokenize_unit(root, name, s, node_budget), s))
+            tokens.add(s, run.remote("tokens", _tokenize_unit(root, name, s), s))
         tokens.seal()
         run.stages.wait()
     for d in datasets:
@@ -375,27 +332,45 @@ def _export_hf(run: _Run) -> None:
     hf.seal()
 
 
-def _tokenize_unit(root: Path, name: str, shard: str, budget: int | None):
-    """tokenize holds the GIL: its shards run in processes where the budget allows, as many
-    as the budget up to a cap (`concurrency.tokenize_processes`). `budget` None: the budget
-    of the process that runs the unit (a cluster node's)."""
-    return functools.partial(_tokenize, root, name, shard, budget)
+def _tokenize_unit(root: Path, name: str, shard: str):
+    """tokenize holds the GIL: its shards run in the node's processes where its budget
+    allows, as many as the budget up to a cap (`concurrency.tokenize_processes`); the unit
+    takes the node that runs it."""
+    return functools.partial(_tokenize, root, name, shard)
 
 
-def _tokenize(root: Path, name: str, shard: str, budget: int | None):
-    if concurrency.use_processes(budget):
-        processes = concurrency.tokenize_processes(budget)
-        return concurrency.in_process(processes, tokenize.tokenize_shard, root, name, shard)
+def _tokenize(root: Path, name: str, shard: str, node: Node):
+    if concurrency.use_processes(node.workers):
+        processes = concurrency.tokenize_processes(node.workers)
+        return node.in_process(processes, tokenize.tokenize_shard, root, name, shard)
     return tokenize.tokenize_shard(root, name, shard)
 
 
-def _serve_scores(root: Path, name: str, spec, device, shards):
+def without_node(fn):
+    """The unit of work that needs nothing of the node (fetch-metadata)."""
+    return functools.partial(_call_alone, fn)
+
+
+def with_node(fn):
+    """The unit of work that takes the node as its `node` keyword (fetch-images)."""
+    return functools.partial(_call_with_node, fn)
+
+
+def _call_alone(fn, node: Node):
+    return fn()
+
+
+def _call_with_node(fn, node: Node):
+    return fn(node=node)
+
+
+def _serve_scores(root: Path, name: str, spec, node: Node, device, shards):
     """A device's scorer: built once on it (`score.load_scorer`), over the shards it is dealt,
     the next shard's tar read while one is scored."""
     tars = root / name / "shards"
     for shard in read_ahead(shards, lambda s: warm_file(tars / f"{s}.tar")):
         try:
-            stats = score.score_shard(root, name, shard, spec, device=str(device))
+            stats = score.score_shard(root, name, shard, spec, device=str(device), node=node)
         except Exception as e:  # this shard's failure; the worker goes on with the next
             yield shard, e
         else:
@@ -414,19 +389,18 @@ def _release_scorer(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _serve_latents(root: Path, name: str, model, budget: int | None, spec, device, shards):
+def _serve_latents(root: Path, name: str, model, spec, node: Node, device, shards):
     """A device's encoder: one pipeline over the shards it is dealt (`encode.encode_stream`),
     writing the source's latent layout `spec`.
 
     On GPUs the node's decode processes are shared by every device's pipeline: the budget but
     two cores per device (its I/O and feeding threads, the VAE's launches). On CPU the
-    encoder's default (1). `budget` None: this process's (a cluster node's)."""
+    encoder's default (1)."""
     num_workers = None
     if device.type == "cuda":
-        budget = concurrency.workers(budget)
-        num_workers = max(1, budget - 2 * len(pools.node_devices()))
+        num_workers = max(1, node.workers - 2 * len(node.devices))
     yield from encode.encode_stream(
-        root, name, shards, model, device=device, num_workers=num_workers, spec=spec
+        root, name, shards, model, device=device, num_workers=num_workers, spec=spec, node=node
     )
 
 
@@ -474,7 +448,7 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
         {
             f"{i:05d}": run.remote(
                 "metadata",
-                functools.partial(metadata.fetch_metadata_shard, root, src, i, f),
+                without_node(functools.partial(metadata.fetch_metadata_shard, root, src, i, f)),
                 f"{i:05d}",
             )
             for i, f in enumerate(files)
@@ -502,15 +476,17 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
     units = {
         s: run.remote(
             "shards",
-            functools.partial(
-                fetch_images.fetch_images_shard,
-                root,
-                name,
-                s,
-                image_size=src.resolution,
-                min_side=profile.min_side,
-                allow_private_hosts=src.allow_private_hosts,
-                **fetch_images.fetch_limits(src.options),
+            with_node(
+                functools.partial(
+                    fetch_images.fetch_images_shard,
+                    root,
+                    name,
+                    s,
+                    image_size=src.resolution,
+                    min_side=profile.min_side,
+                    allow_private_hosts=src.allow_private_hosts,
+                    **fetch_images.fetch_limits(src.options),
+                ),
             ),
             s,
         )
@@ -529,18 +505,17 @@ def archive_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
         {adapters.ALL: functools.partial(adapters.index_source, run.root, src, adapter)},
         needs_all=True,
     )
-    budget = run.budget if run.cluster is None else None
     units = {
-        s: run.remote("shards", functools.partial(_repack, run.root, src, adapter, s, budget), s)
+        s: run.remote("shards", functools.partial(_repack, run.root, src, adapter, s), s)
         for s in adapters.shard_names(run.root, src.name)
     }
     return _fetch_then_score(run, units, scorer)
 
 
-def _repack(root: Path, src: Source, adapter, shard: str, budget: int | None):
-    """repack into the node's decode workers: one process pool of `budget` (None: this
-    process's, a cluster node's), every shard's."""
-    pool = images.shared_pool(concurrency.workers(budget))
+def _repack(root: Path, src: Source, adapter, shard: str, node: Node):
+    """repack into the node's decode workers: one process pool up to its budget, every
+    shard's."""
+    pool = images.shared_pool(node)
     return adapters.repack_shard(root, src, adapter, shard, pool=pool)
 
 

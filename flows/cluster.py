@@ -9,10 +9,12 @@ Each node of the cluster with CPUs runs one CPU `NodeAgent` for the flow run: a 
 pinned to the node (node affinity, not soft), asking Ray for no CPUs and no GPUs, with the
 node's settings in its environment (`SDPIPE_WORKERS`: the node's worker budget, the flow's
 `workers` or the node's CPUs; `SDPIPE_NODE`: its name in records; `SDPIPE_GPU_POOL`: its GPU
-pool). In it live what one node's CPU stages keep between shards, as in a one-node run: the
-fetch pool, the decode pool, tokenize's processes. A GPU stage (score, encode) gets its own
-agent per node at its first shard there, holding the node's GPUs and its `Devices` (one
-long-lived worker per GPU), ended by `close_stage`: GPUs are held only while the stage runs.
+pool). It builds the node's `Node` (tasks/runtime/node.py) and gives it to every unit it runs:
+in it live what one node's CPU stages keep between shards, as in a one-node run (the fetch
+pool, the decode pool, tokenize's processes), within the node's budget. A GPU stage (score,
+encode) gets its own agent per node at its first shard there, holding the node's GPUs and its
+`Devices` (one long-lived worker per GPU), ended by `close_stage`: GPUs are held only while
+the stage runs.
 Per stage, a shard goes to the node with the most room under that node's own limit
 (`stage_limits` of its budget and devices); a node that joins mid-run gets an agent and adds
 its limits. Waiting for an agent to start says so and who holds the node, and fails after
@@ -290,7 +292,7 @@ class Cluster:
         return task.remote(node.dead)
 
     def describe(self) -> str:
-        return ", ".join(
+        return f"the Ray cluster at {self.address}: " + ", ".join(
             f"{n.name} ({n.budget} workers, {n.devices} device{'s' * (n.devices > 1)})"
             for n in self.nodes
         )

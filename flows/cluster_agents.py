@@ -10,6 +10,7 @@ memory and memfd shared memory go with them) before it takes a shard. Waiting ha
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tasks.runtime import node as runtime_node
 from tasks.runtime.shards import ShardStats, current_node
 
 log = logging.getLogger(__name__)
@@ -96,24 +98,25 @@ class NodeAgent:
 
     def __init__(self, env: dict[str, str], mark: str, dead: list[str]):
         self.cleared = clear(dead) if dead else 0
-        os.environ.update(env)
+        os.environ.update(env)  # for the processes it starts: its pools' workers
         os.environ[MARK] = mark
+        # The node as this agent sees it: its budget, devices and pools, its slots.
+        self.node = runtime_node.local_node(int(env["SDPIPE_WORKERS"]))
         self.devices = None
         self.lock = threading.Lock()
 
     def ready(self) -> dict:
-        from flows import pools
-
         return {
             "node": current_node(),
             "pid": os.getpid(),
-            "devices": pools.node_devices(),
+            "devices": self.node.devices,
             "cleared": self.cleared,
         }
 
-    def run(self, unit: Callable[[], ShardStats]) -> ShardStats:
-        """One shard's unit of a CPU stage (fetch, repack, tokenize), in this process."""
-        return unit()
+    def run(self, unit: Callable[[runtime_node.Node], ShardStats]) -> ShardStats:
+        """One shard's unit of a CPU stage (fetch, repack, tokenize), in this process, on its
+        node."""
+        return unit(self.node)
 
     def serve(self, name: str, serve, release, shard: str) -> ShardStats:
         """One shard of this agent's GPU stage through the node's `Devices` for it: one worker
@@ -122,7 +125,10 @@ class NodeAgent:
 
         with self.lock:
             if self.devices is None:
-                self.devices = Devices(name, serve, release=release)
+                node = self.node
+                self.devices = Devices(
+                    name, functools.partial(serve, node), lanes=len(node.devices), release=release
+                )
         return self.devices.run(shard)
 
     def close(self) -> None:

@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tasks.runtime.node import gpu_pool, local_gpus, node_devices
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,23 +42,10 @@ CLAIM_POLL_S = 0.2  # flock cannot wait for "any one of N files": a waiting clai
 log = logging.getLogger(__name__)
 
 
-def gpu_pool() -> str:
-    return os.environ.get("SDPIPE_GPU_POOL") or socket.gethostname()
-
-
 def gpu_limit_name(pool: str | None = None) -> str:
     """`sdpipe-gpu-<pool>`, lowercase letters, digits and dashes only."""
     slug = re.sub(r"[^a-z0-9-]+", "-", (pool or gpu_pool()).lower()).strip("-")
     return LIMIT_PREFIX + (slug or "default")
-
-
-def local_gpus() -> int:
-    """CUDA devices visible to this process (0 without torch or CUDA)."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def gpu_slots() -> int:
@@ -95,15 +84,6 @@ def gpu_slot(occupy: int = 1) -> Iterator[int]:
 
 
 # ---- which device a slot holder uses ---------------------------------------------------------
-
-
-def node_devices() -> list[str]:
-    """This node's devices as `type:index`: `SDPIPE_DEVICES` (an entry without an index gets
-    its position: `cpu,cpu` -> cpu:0, cpu:1), else every CUDA device, else `cpu:0`."""
-    if value := os.environ.get("SDPIPE_DEVICES"):
-        entries = [e.strip() for e in value.split(",") if e.strip()]
-        return [e if ":" in e else f"{e}:{i}" for i, e in enumerate(entries)]
-    return [f"cuda:{i}" for i in range(local_gpus())] or ["cpu:0"]
 
 
 def _lock_name(device: str) -> str:

@@ -56,7 +56,7 @@ from tasks.curation.score_nets import scorer_identity as scorer_identity
 from tasks.curation.score_slots import Decoders, Slots
 from tasks.latents.images import DecodePool, image_members
 from tasks.latents.images import read_images as read_tar_images
-from tasks.runtime import concurrency
+from tasks.runtime.node import Node, local_node
 from tasks.runtime.shards import ShardStats, done_record, run_shard, stats_path
 
 STAGE = "scores"
@@ -428,14 +428,16 @@ def score_shard(
     workers: int | None = None,
     fast: bool = True,
     processes: bool | None = None,
+    node: Node | None = None,
 ) -> ShardStats:
     """Score the fetched images of one shard (status `success` rows of its sample table).
 
     processes: decode in the node's kept decode processes (`score_decode.decode_pool`, the
     fast path only) rather than threads; default `decode_in_processes` (SDPIPE_SCORE_DECODE,
     else on CUDA's fast path, where the CPU side is the limit and threads meet at the GIL).
-    workers: how many; default the node's worker budget (`SDPIPE_WORKERS`, else its cores)
-    for processes, every core for threads on CUDA's fast path, else up to 8 threads.
+    node: the node whose decode processes these are (default: this process's, `local_node`),
+    up to its budget of them. workers: decode threads; default every core on CUDA's fast
+    path, else up to 8.
     fast=False: the old path (the benchmark's baseline)."""
     table_path = root / source / "shards" / f"{shard}.parquet"
     tar_path = table_path.with_suffix(".tar")
@@ -445,8 +447,7 @@ def score_shard(
         in_processes = decode_in_processes(fast, dev) if processes is None else processes
         if in_processes and not fast:
             raise ValueError("decode processes serve the fast path only (fast=True)")
-        budget = workers or concurrency.workers()
-        pool = score_decode.decode_pool(budget) if in_processes else None  # starting meanwhile
+        pool = score_decode.decode_pool(node or local_node()) if in_processes else None
         scorer = load_scorer(spec, dev, fast=fast)
         cores = os.cpu_count() or 1
         default_workers = cores if fast and dev.type == "cuda" else min(8, cores)

@@ -18,7 +18,7 @@ thread path. A chunk's own failure (the memory cannot be opened, the steps canno
 fails its shard with the worker's error (`images.WorkerError`). This module imports neither
 torch nor sdpipe's flows, but a worker loads what unpickling the steps needs (torch,
 torchvision, open_clip): ~4.5 s to start and up to ~0.8 GB resident each (much of it shared
-library pages), one per worker of the node's budget, for the process's life.
+library pages), up to one per worker of the node's budget, each under a slot of the node's.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import scipy.fft
 from PIL import Image
 
 from tasks.latents import images
-from tasks.runtime import concurrency
+from tasks.runtime.node import Node
 
 COMMAND = (sys.executable, "-m", "tasks.curation.score_decode")
 CHUNK = 8  # images per request: a pipe round trip per 8 x ~7.6 ms of work
@@ -157,16 +157,18 @@ def _prepare(items: list, steps: list, mapped: mmap.mmap, layout: list) -> tuple
 
 images.WORKER_TASKS["score"] = prepare_rows
 
-_pools: concurrency.Kept[images.DecodePool] = concurrency.Kept(
-    lambda n: images.DecodePool(n, COMMAND, eager=True)
-)
 
-
-def decode_pool(num_workers: int) -> images.DecodePool:
-    """The process's score decode workers, `num_workers` of them, kept for every later shard
-    and shared by the shard tasks of every GPU of the node. Started at once, while the scorer
-    is built: each takes ~4 s to import open_clip, which unpickling the steps needs."""
-    return _pools.get(num_workers)
+def decode_pool(node: Node) -> images.DecodePool:
+    """The node's score decode workers, up to its budget, kept for every later shard and
+    shared by the shard tasks of every GPU of the node. Started at once, while the scorer is
+    built: each takes ~4 s to import open_clip, which unpickling the steps needs."""
+    return node.pool(
+        "score-decode",
+        node.workers,
+        lambda n, slots: images.DecodePool(
+            n, COMMAND, eager=True, slots=slots, kind="score-decode"
+        ),
+    )
 
 
 if __name__ == "__main__":

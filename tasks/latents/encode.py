@@ -45,11 +45,11 @@ from tasks.latents.encode_pipeline import (
     Pipeline,
     cpu_lanes,
     in_inference_mode,
-    shutdown_pools,
 )
 from tasks.latents.encode_read import read_images
 from tasks.latents.encode_spec import STAGE, LatentSpec, shard_done
 from tasks.latents.encode_write import finish_shard
+from tasks.runtime.node import Node, close_nodes, local_node
 from tasks.runtime.shards import ShardStats, read_stats, run_shard
 
 QA_FILE = "qa.json"
@@ -310,6 +310,7 @@ def encode_stream(
     spec: LatentSpec | None = None,
     precision: str | None = None,
     flush_after: int | None = None,
+    node: Node | None = None,
 ) -> Iterator[tuple[str, ShardStats | Exception]]:
     """Encode shards as they come through one pipeline, the next one's inputs read while one
     encodes: (shard, its stats record, or the error that failed it) in the order given.
@@ -321,7 +322,8 @@ def encode_stream(
     (default `LatentSpec.of(model)`: the model's plan, one view, the mean; the flows pass
     `spec_for(catalog, source)`, which adds the catalog's flips and latent sampling); a shard
     done under another spec is encoded again. `flush_after`: batches a bucket's unfinished batch
-    waits for more images (`flush_after_setting`).
+    waits for more images (`flush_after_setting`). `node`: whose decode processes it uses
+    (default: this process's, `local_node`).
     """
     device = _canonical(torch.device(device) if device is not None else default_device())
     spec = spec or LatentSpec.of(model)
@@ -336,6 +338,7 @@ def encode_stream(
         spec=spec,
         make_encoder=functools.partial(encoder_for, model, device, compile, spec, precision),
         flush_after=flush_after_setting(flush_after),
+        node=node or local_node(),
     )
     with pipeline:
         for encoded in pipeline.results():
@@ -361,6 +364,7 @@ def encode_shards(
     compile: bool = False,
     spec: LatentSpec | None = None,
     precision: str | None = None,
+    node: Node | None = None,
 ) -> list[ShardStats]:
     """Encode `shards` in order through one pipeline; shards already done (under `spec`,
     default `LatentSpec.of(model)`: the model's plan, no flips, the mean) are skipped. The first
@@ -379,6 +383,7 @@ def encode_shards(
         compile=compile,
         spec=spec,
         precision=precision,
+        node=node,
     )
     done = []
     with contextlib.closing(stream):
@@ -417,7 +422,7 @@ def _encode_part(root, source, shards, model, device: str, threads: int, **kwarg
         encode_shards(root, source, shards, model, device=device, **kwargs)
     finally:
         # A multiprocessing child joins its children before exiting and never runs atexit.
-        shutdown_pools()
+        close_nodes()
 
 
 def encode_on_devices(

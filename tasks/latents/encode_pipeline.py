@@ -10,11 +10,10 @@ batches never span shards, bucketed ones do (a bucket's unfinished batch waits f
 shard's images for at most `flush_after` batches, then goes out padded: shards complete in order,
 so a rare bucket would hold every later shard's record). The VAE works per image, so a
 shard's latents are the same bits whatever was encoded before it. Decode pools and CPU lanes are
-kept per size for every later shard."""
+kept per size for every later shard (the node's decode pools, under its process slots)."""
 
 from __future__ import annotations
 
-import atexit
 import math
 import queue
 import threading
@@ -31,22 +30,23 @@ from sdtrain.lazy import BUILD_LOCK
 from tasks.latents import images
 from tasks.latents.encode_read import ShardInput, open_shard
 from tasks.latents.encode_spec import LatentSpec, forget_other_spec
+from tasks.runtime.node import Node
 
 DECODE_AHEAD = 128  # images handed to the decoders before the VAE asks for them
 DRAIN_AFTER_S = 0.1  # no batch came this long: finish those in flight (see Pipeline.results)
 
 
 _lock = BUILD_LOCK  # shared with every lazy builder: see sdtrain/lazy.py
-_pools: dict[int, images.DecodePool] = {}
 _lanes: dict[int, ThreadPoolExecutor] = {}
 
 
-def _decode_pool(num_workers: int) -> images.DecodePool:
-    """Decode processes, one pool per size and process, kept for every later shard."""
-    with _lock:
-        if num_workers not in _pools:
-            _pools[num_workers] = images.DecodePool(num_workers)
-        return _pools[num_workers]
+def decode_pool(node: Node, num_workers: int) -> images.DecodePool:
+    """The node's encode decode processes, one pool per size, kept for every later shard."""
+    return node.pool(
+        "encode-decode",
+        num_workers,
+        lambda n, slots: images.DecodePool(n, slots=slots, kind="encode-decode"),
+    )
 
 
 def cpu_lanes(num_lanes: int) -> ThreadPoolExecutor:
@@ -78,15 +78,6 @@ def _single_threaded(started: threading.Barrier) -> None:
     torch.get_num_threads()  # torch's per-thread setup first, or it would undo the next line
     torch.set_num_threads(1)
     started.wait()
-
-
-@atexit.register
-def shutdown_pools() -> None:
-    with _lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
-        pool.close()
 
 
 def in_inference_mode(fn):
@@ -259,6 +250,7 @@ class Pipeline:
         spec,
         make_encoder,
         flush_after: int,
+        node: Node,
     ):
         self.root, self.source, self.shards, self.model = root, source, shards, model
         self.spec: LatentSpec = spec
@@ -266,7 +258,7 @@ class Pipeline:
         self.batch_size, self.size = batch_size, model.resolution
         self.sizes = spec.plan.sizes()  # [K, 2] (width, height)
         self.plan = spec.plan.to_dict()
-        self.pool = _decode_pool(num_workers)
+        self.pool = decode_pool(node, num_workers)
         self.num_workers = num_workers
         self.chunk = math.ceil(batch_size / num_workers)  # images per decode task
         if self.bucketed:

@@ -33,9 +33,9 @@ import numpy as np
 
 from catalog import buckets
 from tasks.latents.image_headers import header_size, is_truncated, jpeg_size, sniff
-from tasks.runtime import concurrency
 from tasks.runtime.lanes import Lanes
 from tasks.runtime.net import python_path
+from tasks.runtime.node import Node, Slots, local_node
 
 # The rules, in the order they are applied (a reason is what the stats record counts):
 # - bytes no decoder reads -> dropped, `decode_error`
@@ -367,11 +367,18 @@ class DecodePool(Lanes):
     """
 
     def __init__(
-        self, num_workers: int, command: tuple[str, ...] = WORKER_COMMAND, *, eager: bool = False
+        self,
+        num_workers: int,
+        command: tuple[str, ...] = WORKER_COMMAND,
+        *,
+        eager: bool = False,
+        slots: Slots | None = None,
+        kind: str = "decode",
     ):
-        """`eager`: start every worker process now, not at its first task."""
+        """`eager`: start every worker process now, not at its first task. `slots`: the node's
+        (tasks/runtime/node.py), which its live workers hold, one each, as a `kind` of pool."""
         self.command = command
-        super().__init__(num_workers, "decode", eager=eager)
+        super().__init__(num_workers, kind, eager=eager, slots=slots)
 
     def submit(self, items: list, size: int, task: str = "decode", **options) -> Future:
         """A future of `WORKER_TASKS[task](items, size, **options)`, computed in a worker."""
@@ -445,13 +452,14 @@ def write_sample(tar: tarfile.TarFile, key: str, jpeg: bytes, caption: str, meta
         tar.addfile(info, io.BytesIO(data))
 
 
-_shared: concurrency.Kept[DecodePool] = concurrency.Kept(DecodePool)
-
-
-def shared_pool(num_workers: int | None = None) -> DecodePool:
-    """The process's decode pool of `num_workers` (default: one per core), kept for every later
-    shard of every stage that repacks (a pool per shard would start its processes each time)."""
-    return _shared.get(num_workers or len(os.sched_getaffinity(0)))
+def shared_pool(node: Node | None = None) -> DecodePool:
+    """The node's repack decode pool (default: this process's node), up to its budget of
+    workers, kept for every later shard of every stage that repacks (a pool per shard would
+    start its processes each time)."""
+    node = node or local_node()
+    return node.pool(
+        "repack", node.workers, lambda n, slots: DecodePool(n, slots=slots, kind="repack")
+    )
 
 
 def repack_stream(

@@ -1,8 +1,9 @@
 """How much of the node a stage uses: one setting, with per-stage defaults derived from it.
 
 - `SDPIPE_WORKERS` (also build-latents' `workers` parameter): the node's worker budget, by
-  default the cores this process may run on. CPU stages (repack, tokenize, decode pools) size
-  their process pools from it.
+  default the cores this process may run on, read once where a process builds its node
+  (tasks/runtime/node.py). CPU stages (repack, tokenize, decode pools) size their process
+  pools from it, and every live worker process of them holds one of the node's slots.
 - `SDPIPE_FETCH_SHARDS`: fetch-images shard tasks at once (I/O bound; they share the node's
   img2dataset downloader processes, see `fetch_parallelism`).
 - `SDPIPE_FETCH_PROCESSES`, `SDPIPE_FETCH_THREADS`: those downloader processes (default one
@@ -11,8 +12,8 @@
   64 x the cores requests in flight on the node.
 - GPU stages (score, encode, semantic dedup) run one worker per device of the GPU pool
   (`flows/pools.py`, `flows/devices.py`), not a number from here.
-- Stages whose Python holds the GIL (tokenize) run their shards in `process_pool`, `workers`
-  processes, where the budget is over `THREADS_UP_TO`; up to it, in the flow's threads (a
+- Stages whose Python holds the GIL (tokenize) run their shards in the node's call processes
+  (`Node.in_process`), where the budget is over `THREADS_UP_TO`; up to it, in the flow's threads (a
   spawned interpreter costs ~3 s of imports, more than two threads lose to the GIL).
 - `SDPIPE_TOKENIZE_PROCESSES`: tokenize's processes, by default the budget up to
   TOKENIZE_PROCESSES_MAX (16): each is a ~0.5 GB interpreter alive for the whole run, and 16
@@ -24,16 +25,8 @@ Defaults keep a 2-core machine (CI) at 2 shards at a time, as before.
 
 from __future__ import annotations
 
-import atexit
-import multiprocessing
 import os
-import threading
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Generic, Protocol, TypeVar
 
-R = TypeVar("R")
 THREADS_UP_TO = 2
 
 
@@ -93,7 +86,7 @@ def pooled_shards(budget: int | None = None) -> int:
 
 
 def use_processes(budget: int | None = None) -> bool:
-    """Whether GIL-bound shard work goes to `process_pool` (the budget is over THREADS_UP_TO)."""
+    """Whether GIL-bound shard work goes to processes (the budget is over THREADS_UP_TO)."""
     return workers(budget) > THREADS_UP_TO
 
 
@@ -104,64 +97,3 @@ def tokenize_processes(budget: int | None = None) -> int:
     """tokenize's worker processes: `SDPIPE_TOKENIZE_PROCESSES`, else the budget, at most
     TOKENIZE_PROCESSES_MAX."""
     return _env_int("SDPIPE_TOKENIZE_PROCESSES") or min(workers(budget), TOKENIZE_PROCESSES_MAX)
-
-
-_process_pools: dict[int, ProcessPoolExecutor] = {}
-_process_lock = threading.Lock()
-
-
-def process_pool(n: int) -> ProcessPoolExecutor:
-    """This process's pool of `n` spawned worker processes (the caller may hold threads and a
-    GPU: no fork), kept for every later shard."""
-    with _process_lock:
-        if n not in _process_pools:
-            _process_pools[n] = ProcessPoolExecutor(
-                n, mp_context=multiprocessing.get_context("spawn")
-            )
-        return _process_pools[n]
-
-
-def in_process(n: int, fn: Callable[..., R], *args, **kwargs) -> R:
-    """`fn(*args, **kwargs)` in a process of `process_pool(n)`; waits for it. A pool whose
-    process died (killed, out of memory) fails this call and is replaced for the next."""
-    pool = process_pool(n)
-    try:
-        return pool.submit(fn, *args, **kwargs).result()
-    except BrokenProcessPool:
-        with _process_lock:
-            if _process_pools.get(n) is pool:
-                del _process_pools[n]
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-
-
-class _Closable(Protocol):
-    def close(self) -> None: ...
-
-
-P = TypeVar("P", bound=_Closable)
-
-
-class Kept(Generic[P]):
-    """Worker pools of this process, one per size, built at first use (under a lock: several
-    shard tasks may ask at once) and kept for every later shard; closed when the process
-    exits. `build(n)` makes the pool of size n."""
-
-    def __init__(self, build: Callable[[int], P]):
-        self._build = build
-        self._made: dict[int, P] = {}
-        self._lock = threading.Lock()
-        atexit.register(self.close_all)
-
-    def get(self, n: int) -> P:
-        with self._lock:
-            if n not in self._made:
-                self._made[n] = self._build(n)
-            return self._made[n]
-
-    def close_all(self) -> None:
-        with self._lock:
-            made = list(self._made.values())
-            self._made.clear()
-        for pool in made:
-            pool.close()

@@ -44,6 +44,7 @@ from tasks.latents import images
 from tasks.runtime import concurrency
 from tasks.runtime.lanes import Lanes
 from tasks.runtime.net import python_path
+from tasks.runtime.node import Node, Slots, local_node
 from tasks.runtime.shards import ShardStats, bump_generation, run_shard, stats_path, write_record
 from tasks.sources import bounded_download
 from tasks.sources.bounded_download import fetch_limits
@@ -86,10 +87,11 @@ class FetchFailed(Exception):
     """img2dataset itself failed (not one URL: the whole shard)."""
 
 
-def parallelism(thread_count: int | None = None) -> tuple[int, int]:
-    """(downloader processes of the node, threads per process): `concurrency`'s setting, the
-    threads overridden by a task's `thread_count`."""
-    processes, threads = concurrency.fetch_parallelism()
+def parallelism(thread_count: int | None = None, budget: int | None = None) -> tuple[int, int]:
+    """(downloader processes of the node, threads per process): `concurrency`'s setting for
+    the node's `budget` (default: this process's), the threads overridden by a task's
+    `thread_count`."""
+    processes, threads = concurrency.fetch_parallelism(budget)
     return processes, thread_count or threads
 
 
@@ -211,8 +213,8 @@ class FetchPool(Lanes):
     shard. A piece that fails, or whose process dies, is tried once more (as img2dataset's
     own distributor does), in a new process if it died."""
 
-    def __init__(self, processes: int):
-        super().__init__(processes, "fetch", eager=True)
+    def __init__(self, processes: int, slots: Slots | None = None):
+        super().__init__(processes, "fetch", eager=True, slots=slots)
 
     def submit(self, request: dict) -> Future:
         return self._submit(request)
@@ -233,12 +235,10 @@ class FetchPool(Lanes):
         return FetchFailed(f"img2dataset: {error.strip()}"), worker
 
 
-_fetch_pools: concurrency.Kept[FetchPool] = concurrency.Kept(FetchPool)
-
-
-def fetch_pool(processes: int) -> FetchPool:
-    """The process's pool of `processes` downloaders, kept for every later shard."""
-    return _fetch_pools.get(processes)
+def fetch_pool(processes: int, node: Node | None = None) -> FetchPool:
+    """The node's pool of `processes` downloaders (default: this process's node), kept for
+    every later shard."""
+    return (node or local_node()).pool("fetch", processes, FetchPool)
 
 
 class Download:
@@ -247,7 +247,8 @@ class Download:
     parquet with the sdpipe key in KEY_COLUMN, its tar) in order, as soon as it is done.
     Each download ends within `max_seconds` and `max_bytes` (default: `fetch_limits()`), and
     connects to this machine or a private network only if `allow_private_hosts` (the
-    source's rule; every redirect hop is checked)."""
+    source's rule; every redirect hop is checked). `node`: whose downloaders (default: this
+    process's)."""
 
     def __init__(
         self,
@@ -260,18 +261,20 @@ class Download:
         max_seconds: int | None = None,
         max_bytes: int | None = None,
         allow_private_hosts: bool = False,
+        node: Node | None = None,
     ):
+        self.node = node = node or local_node()
         limits = fetch_limits()  # each download's: the environment's, else the defaults
         if max_seconds is not None:
             limits["max_seconds"] = max_seconds
         if max_bytes is not None:
             limits["max_bytes"] = max_bytes
-        processes, threads = parallelism(thread_count)
+        processes, threads = parallelism(thread_count, node.workers)
         rows = piece_rows(table.num_rows, processes, threads)
         inputs, self.out = workdir / "in", workdir / "out"
         inputs.mkdir()
         self.out.mkdir()
-        pool = fetch_pool(processes)
+        pool = fetch_pool(processes, node)
         rename = table.select(["key", "caption", "url"]).rename_columns(COLUMNS)
         self.futures: list[Future] = []
         for i, first in enumerate(range(0, max(table.num_rows, 1), rows)):
@@ -348,7 +351,7 @@ def repack_fetched(
     captions = rows["caption"].to_pylist()
     decoded: dict[int, tuple[str, int | None, int | None]] = {}
     results = images.repack_stream(
-        images.shared_pool(concurrency.workers()),
+        images.shared_pool(download.node),
         _raw_images(download, row_of),
         size,
         min_side=min_side,
@@ -383,8 +386,11 @@ def fetch_images_shard(
     *,
     image_size: int,
     min_side: int,
+    node: Node | None = None,
     **download_options,
 ) -> ShardStats:
+    """Fetch one filtered shard's URLs on `node`'s downloaders and decode workers (default:
+    this process's node)."""
     filtered = root / source / "filtered" / f"{shard}.parquet"
     out_dir = root / source / STAGE
 
@@ -393,7 +399,7 @@ def fetch_images_shard(
         stats.num_in = table.num_rows
         with (
             tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-") as tmp,
-            Download(table, Path(tmp), **download_options) as download,
+            Download(table, Path(tmp), node=node, **download_options) as download,
             atomic_path(out_dir / f"{shard}.tar") as tar_tmp,
             tarfile.open(tar_tmp, "w") as tar,
         ):

@@ -36,7 +36,16 @@ def said() -> list[str]:
 def node_after(seconds: float):
     """A unit that waits `seconds` and returns the name of the node that ran it."""
     command = f'sleep {seconds}; printf %s "$SDPIPE_NODE"'
-    return functools.partial(subprocess.check_output, ["sh", "-c", command], text=True)
+    return on_node(functools.partial(subprocess.check_output, ["sh", "-c", command], text=True))
+
+
+def on_node(fn):
+    """A unit (it is given the node that runs it) of `fn`, which needs nothing of the node."""
+    return functools.partial(_call_alone, fn)
+
+
+def _call_alone(fn, node):
+    return fn()
 
 
 def run_all(cluster: Cluster, units: dict) -> dict:
@@ -49,9 +58,11 @@ def run_all(cluster: Cluster, units: dict) -> dict:
 def test_a_poison_shard_fails_alone_and_the_run_goes_on(cluster, tmp_path, said):
     pids = tmp_path / "grandchildren"
     # SIGKILLs the agent running it (as the OOM killer would), leaving a grandchild behind.
-    poison = functools.partial(
-        subprocess.run,
-        ["sh", "-c", f"sleep 0.3; sleep 1000 & echo $! >> {pids}; kill -9 $PPID; wait"],
+    poison = on_node(
+        functools.partial(
+            subprocess.run,
+            ["sh", "-c", f"sleep 0.3; sleep 1000 & echo $! >> {pids}; kill -9 $PPID; wait"],
+        )
     )
     with Cluster(cluster.address, workers=2) as nodes:
         nodes.limits(lambda budget, devices: {"shards": 3})

@@ -19,6 +19,7 @@ from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
 from tasks.curation import score, score_decode, score_slots
 from tasks.latents import images as image_mod
+from tasks.runtime.node import local_node
 from tasks.sources import demo_source
 
 FIELDS = ("aesthetic", "similarity", "pwatermark", "punsafe", "phash", "embedding")
@@ -55,7 +56,7 @@ def testing_pool():
 def pool():
     # The process's kept pool of 2, as the stage takes it with SDPIPE_WORKERS=2 (each worker
     # imports open_clip: seconds on 2 cores, paid once for the file).
-    return score_decode.decode_pool(2)
+    return score_decode.decode_pool(local_node(2))
 
 
 def encoded(img: Image.Image, fmt: str) -> bytes:
@@ -191,7 +192,7 @@ def test_score_shard_in_processes_records_what_threads_do(scorer, pool, tmp_path
     assert got.equals(expected)
     assert procs.dropped == threads.dropped == {"missing_image": 1, "decode_error": 2}
     assert (procs.num_in, procs.num_out) == (threads.num_in, threads.num_out) == (13, 10)
-    assert score_decode.decode_pool(2) is pool  # the node's budget's pool, kept
+    assert score_decode.decode_pool(local_node(2)) is pool  # the node's budget's pool, kept
 
 
 @pytest.mark.gpu
@@ -204,7 +205,7 @@ def test_cuda_default_decodes_in_processes_with_the_threads_results(tmp_path):
     images, captions = awkward_images(40)
     kw = dict(batch_size=8, workers=2)
     expected = score.score_images(cuda, images, captions, **kw)
-    pool = score_decode.decode_pool(2)
+    pool = score_decode.decode_pool(local_node(2))
     rows, got, dropped = score.score_images(cuda, images, captions, **kw, pool=pool)
     assert rows == expected[0] and dropped == expected[2]
     np.testing.assert_array_equal(got.phash, expected[1].phash)

@@ -8,6 +8,8 @@ import pytest
 
 from flows.build_latents import stage_limits
 from tasks.runtime import concurrency
+from tasks.runtime.calls import CallPool
+from tasks.runtime.node import Node, local_node
 
 
 def test_the_budget_is_the_parameter_else_the_setting_else_the_cores(monkeypatch):
@@ -46,18 +48,19 @@ def test_each_stage_derives_its_concurrency_from_the_budget(monkeypatch):
 
 
 def test_work_in_the_process_pool_runs_in_another_process():
-    assert concurrency.in_process(2, os.getpid) != os.getpid()
-    assert concurrency.process_pool(2) is concurrency.process_pool(2)  # kept for later shards
+    node = local_node(2)
+    assert node.in_process(2, os.getpid) != os.getpid()
+    pool = node.pool("call", 2, CallPool)
+    assert node.pool("call", 2, CallPool) is pool  # kept for later shards
 
 
-def test_the_flows_budget_is_the_setting_while_it_runs(monkeypatch):
-    """What sizes itself from SDPIPE_WORKERS (fetch's downloader processes) follows the flow's
-    `workers` parameter during the run, and the setting is back after it."""
-    from flows.build_latents import worker_budget
-
+def test_the_flows_budget_is_its_nodes_and_the_setting_is_left_alone(monkeypatch):
+    """What sizes itself from the budget (fetch's downloader processes) follows the flow's
+    `workers` parameter through the node the flow passes, and the setting stays as it was: no
+    side channel through the environment."""
     monkeypatch.setenv("SDPIPE_WORKERS", "5")
     monkeypatch.delenv("SDPIPE_FETCH_PROCESSES", raising=False)
-    with worker_budget(12):
-        assert concurrency.workers() == 12
-        assert concurrency.fetch_parallelism()[0] == 12
+    node = Node(12)
+    assert node.workers == 12
+    assert concurrency.fetch_parallelism(node.workers)[0] == 12
     assert concurrency.workers() == 5

@@ -18,6 +18,7 @@ import pyarrow as pa
 from flows import build_latents
 from tasks.evaluation.evaluate import HeldOut
 from tasks.runtime import concurrency
+from tasks.runtime.node import Node
 from tasks.runtime.shards import ShardStats
 from tasks.sources import fetch_images
 
@@ -64,12 +65,11 @@ def test_tokenize_runs_at_most_16_processes_by_default(monkeypatch):
     assert concurrency.tokenize_processes(128) == 16
     assert concurrency.tokenize_processes(4) == 4
     calls = []  # the process pools a tokenize unit runs its shard in
-    monkeypatch.setattr(concurrency, "in_process", lambda n, fn, *args: calls.append(n))
-    build_latents._tokenize_unit(Path("/data"), "laion", "00000", 128)()
+    monkeypatch.setattr(Node, "in_process", lambda self, n, fn, *args: calls.append(n))
+    build_latents._tokenize_unit(Path("/data"), "laion", "00000")(Node(128))
     monkeypatch.setenv("SDPIPE_TOKENIZE_PROCESSES", "40")
-    build_latents._tokenize_unit(Path("/data"), "laion", "00000", 128)()
-    # On a cluster the unit reads the budget of the node that runs it (SDPIPE_WORKERS there).
+    build_latents._tokenize_unit(Path("/data"), "laion", "00000")(Node(128))
+    # On a cluster the unit is given the node that runs it (its agent's, of its budget).
     monkeypatch.delenv("SDPIPE_TOKENIZE_PROCESSES")
-    monkeypatch.setenv("SDPIPE_WORKERS", "6")
-    build_latents._tokenize_unit(Path("/data"), "laion", "00000", None)()
+    build_latents._tokenize_unit(Path("/data"), "laion", "00000")(Node(6))
     assert calls == [16, 40, 6]

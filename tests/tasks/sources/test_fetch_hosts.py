@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.runtime import concurrency
+from tasks.runtime import node as node_module
 from tasks.sources import bounded_download, fetch_images
 from tests.tasks import bad_images as bad
 from tests.tasks.conftest import loopback_server
@@ -216,8 +216,7 @@ def test_a_redirect_to_a_private_host_is_a_counted_row_and_the_shard_completes(
     """The whole stage, through the node's downloader processes. The seam reaches them through
     the environment, so they are started for this test (not the kept ones of earlier tests)."""
     monkeypatch.setenv("SDPIPE_FETCH_PROCESSES", "1")
-    pools = concurrency.Kept(fetch_images.FetchPool)
-    monkeypatch.setattr(fetch_images, "_fetch_pools", pools)
+    monkeypatch.setattr(node_module, "_nodes", {})  # a fresh node: fresh downloaders
     root = tmp_path / "data"
     (root / "src" / "filtered").mkdir(parents=True)
     with two_servers() as (public, private, seen):
@@ -232,7 +231,7 @@ def test_a_redirect_to_a_private_host_is_a_counted_row_and_the_shard_completes(
                 root, "src", "00000", image_size=32, min_side=0, thread_count=4
             )
         finally:
-            pools.close_all()
+            node_module.close_nodes()
     assert stats.dropped == {"private_host": 3}
     assert stats.num_out == 3
     assert seen["private"] == []
