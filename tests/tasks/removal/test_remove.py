@@ -412,7 +412,7 @@ def test_a_removal_killed_by_sigkill_then_run_again_ends_as_one_run(built, remov
     shutil.copytree(built.root, root, symlinks=True)
     script = (
         "import os, signal, sys\n"
-        "from tests.tasks import test_remove as t\n"
+        "from tests.tasks.removal import test_remove as t\n"
         "from types import SimpleNamespace\n"
         "from pathlib import Path\n"
         "from catalog import load_catalog\n"

@@ -52,13 +52,17 @@ def test_overlapping_pools_stay_within_the_budget_and_all_finish(tmp_path):
     )
     live: list[int] = []
     stop = threading.Event()
+    import psutil
+
+    before = {c.pid for c in psutil.Process().children()}
 
     def count() -> None:
         import psutil
 
         me = psutil.Process()
         while not stop.is_set():
-            live.append(len(me.children()))
+            # Only this node's workers: other tests of this process may keep pools of theirs.
+            live.append(len({c.pid for c in me.children()} - before))
             time.sleep(0.02)
 
     counter = threading.Thread(target=count, daemon=True)
@@ -77,3 +81,18 @@ def test_overlapping_pools_stay_within_the_budget_and_all_finish(tmp_path):
     assert max(live) <= 2 + EXTRA, max(live)
     assert node.slots.peak <= 2 + EXTRA
     assert node.slots.in_use() == {}  # closed: every slot back
+
+
+def test_a_pool_of_another_size_replaces_the_kinds_older_one():
+    """A long-lived process whose setting changed between runs: the kind's older pool, its
+    idle workers holding every slot, closes instead of leaving the new one waiting forever."""
+    node = Node(2)
+    try:
+        first = node.pool("call", 2, CallPool)
+        running = [first.submit(_sleep_and_pid, 0.5) for _ in range(2)]
+        assert len({f.result(timeout=120) for f in running}) == 2  # both workers hold a slot
+        second = node.pool("call", 1, CallPool)
+        assert second.submit(_sleep_and_pid, 0.1).result(timeout=60)
+        assert node.slots.in_use() == {"call": 1}
+    finally:
+        node.close()
