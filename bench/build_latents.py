@@ -31,8 +31,6 @@ import subprocess
 import tempfile
 import time
 
-import yaml
-
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -60,16 +58,10 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="the flow's worker budget")
     parser.add_argument("--keep", action="store_true", help="keep the data root")
     args = parser.parse_args()
-    from catalog.loader import PACKAGED_DIR
+    from bench.catalogs import demo_catalog
 
     work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-bl-"))
-    catalog = work / "catalog"
-    shutil.copytree(PACKAGED_DIR, catalog, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    sources = yaml.safe_load((catalog / "sources.yaml").read_text())
-    sources["demo"]["options"]["num_images"] = args.images
-    sources["demo"]["samples_per_shard"] = args.shard_size
-    (catalog / "sources.yaml").write_text(yaml.safe_dump(sources))
-    os.environ["SDPIPE_CATALOG"] = str(catalog)
+    demo_catalog(work, args.images, args.shard_size)
     os.environ.setdefault("SDPIPE_DEVICE_LOCKS", str(work / "device-locks"))
 
     from flows import pools

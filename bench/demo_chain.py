@@ -22,22 +22,15 @@ import shutil
 import tempfile
 import time
 
-import yaml
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--images", type=int, default=240)
     args = parser.parse_args()
-    from catalog.loader import PACKAGED_DIR
+    from bench.catalogs import demo_catalog
 
     work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-"))
-    catalog = work / "catalog"
-    shutil.copytree(PACKAGED_DIR, catalog, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    sources = yaml.safe_load((catalog / "sources.yaml").read_text())
-    sources["demo"]["options"]["num_images"] = args.images
-    (catalog / "sources.yaml").write_text(yaml.safe_dump(sources))
-    os.environ["SDPIPE_CATALOG"] = str(catalog)
+    demo_catalog(work, args.images)
 
     from flows.build_latents import STAGES, build_latents
     from flows.stages import DISPLAY

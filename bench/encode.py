@@ -66,28 +66,19 @@ from PIL import Image
 from torch.utils.flop_counter import FlopCounterMode
 
 from catalog import Model
+from catalog.architectures import SD_VAE_CONFIG
 from tasks.latents import encode, images
 from tasks.runtime.shards import read_stats
 
 SOURCE = "bench"
-SD_VAE = {  # stabilityai/sd-vae-ft-mse
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 4,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "norm_num_groups": 32,
-}
 # The CPU config: SD's layout (4 blocks, /8) at 1/8 to 1/16 of its widths, one layer per block:
 # an encode ~14x the cost of a 1024 px JPEG decode on the development VM.
-SMALL_VAE = SD_VAE | {
+SMALL_VAE = SD_VAE_CONFIG | {
     "block_out_channels": [16, 32, 32, 32],
     "layers_per_block": 1,
     "norm_num_groups": 16,
 }
-SIZES = {"small": (256, SMALL_VAE), "full": (512, SD_VAE)}
+SIZES = {"small": (256, SMALL_VAE), "full": (512, SD_VAE_CONFIG)}
 # The bucket plan of each size: kohya's at 512 px; at 256 px the same plan at half scale (the
 # same five buckets' aspects; step 32 keeps the latent sides multiples of 4 under the /8 VAE).
 PLANS = {

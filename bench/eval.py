@@ -31,49 +31,30 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-import yaml
 from PIL import Image
-
-CLIP_L_TEXT = {  # openai/clip-vit-large-patch14's text tower
-    "vocab_size": 49408, "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-    "num_attention_heads": 12, "max_position_embeddings": 77, "hidden_act": "quick_gelu",
-    "bos_token_id": 49406, "eos_token_id": 49407, "pad_token_id": 49407,
-}  # fmt: skip
-SD_VAE = {  # stabilityai/sd-vae-ft-mse
-    "in_channels": 3, "out_channels": 3, "latent_channels": 4,
-    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "norm_num_groups": 32,
-    "sample_size": 512,
-}  # fmt: skip
 
 
 def write_catalog(work: Path, size: str, prompts: int, seeds: int, steps: int) -> Path:
-    from catalog.loader import PACKAGED_DIR
+    """This process's catalog: a copy with a `bench` model, scorer, eval set and phase."""
+    from bench.catalogs import bench_model, use_copy
+    from catalog.copies import edit_entries
 
-    catalog = work / "catalog"
-    shutil.copytree(PACKAGED_DIR, catalog, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    models = yaml.safe_load((catalog / "models.yaml").read_text())
-    if size == "full":
-        models["bench"] = models["sd15"] | {"vae_config": SD_VAE, "text_config": CLIP_L_TEXT}
-        del models["bench"]["vae_pretrained"], models["bench"]["text_pretrained"]
-        models["bench-scoring"] = models["laion-scoring"] | {"random_weights": True}
-    else:
-        models["bench"] = models["tiny"]
-        models["bench-scoring"] = models["tiny-scoring"]
-    (catalog / "models.yaml").write_text(yaml.safe_dump(models))
-    evals = yaml.safe_load((catalog / "eval.yaml").read_text())
-    forest = evals["default"]["categories"][0]
-    evals["bench"] = {
-        "seeds": list(range(seeds)),
-        "num_steps": steps,
-        "scorer": "bench-scoring",
-        "fid_random_weights": True,
-        "categories": [forest | {"prompts": forest["prompts"][:prompts]}],
-    }
-    (catalog / "eval.yaml").write_text(yaml.safe_dump(evals))
-    phases = yaml.safe_load((catalog / "phases.yaml").read_text())
-    phases["bench"] = phases["demo"] | {"model": "bench", "eval_set": "bench"}
-    (catalog / "phases.yaml").write_text(yaml.safe_dump(phases))
+    catalog = use_copy(work)
+    with edit_entries(catalog / "models.yaml") as models:
+        models["bench"] = bench_model(models, full=size == "full")
+        scorer = "laion-scoring" if size == "full" else "tiny-scoring"
+        models["bench-scoring"] = models[scorer] | {"random_weights": True}
+    with edit_entries(catalog / "eval.yaml") as evals:
+        forest = evals["default"]["categories"][0]
+        evals["bench"] = {
+            "seeds": list(range(seeds)),
+            "num_steps": steps,
+            "scorer": "bench-scoring",
+            "fid_random_weights": True,
+            "categories": [forest | {"prompts": forest["prompts"][:prompts]}],
+        }
+    with edit_entries(catalog / "phases.yaml") as phases:
+        phases["bench"] = phases["demo"] | {"model": "bench", "eval_set": "bench"}
     return catalog
 
 
@@ -131,9 +112,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-eval-"))
-    os.environ["SDPIPE_CATALOG"] = str(
-        write_catalog(work, args.size, args.prompts, args.seeds, args.steps)
-    )
+    write_catalog(work, args.size, args.prompts, args.seeds, args.steps)
     from catalog import load_catalog
     from tasks.evaluation.evaluate import evaluate
 

@@ -3,8 +3,9 @@ kept rows split back into one `selected/NNNNN.parquet` per shard.
 
 Writes N fetched-shard sample tables as fetch-images leaves them (the metadata row's columns +
 fetched width, height, sha256, status; 2% failed downloads, 3% repeated image bytes) into a
-temporary data root, then times `tasks.curation.filter.select_pixels` with the recipe's phase-1
-profile (laion-broad: scores, size, key/url/sha256 dedup), best of R. Prints one JSON object.
+temporary data root, then times `tasks.curation.filter_pixels.select_pixels` with the recipe's
+phase-1 profile (laion-broad: scores, size, key/url/sha256 dedup), best of R.
+Prints one JSON object.
 Usage: python bench/filter_pixels.py [--shards N] [--rows-per-shard M] [--repeat R]
 """
 
@@ -69,7 +70,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     from catalog import load_catalog
-    from tasks.curation import filter as filter_stage
+    from tasks.curation import filter_pixels
 
     profile = load_catalog().profile("laion-broad")
     root = Path(tempfile.mkdtemp(prefix="sdpipe-bench-filter-pixels-"))
@@ -79,7 +80,7 @@ def main() -> None:
         for _ in range(args.repeat):
             shutil.rmtree(root / "laion" / "selected", ignore_errors=True)
             start = time.perf_counter()
-            stats = filter_stage.select_pixels(root, "laion", profile)
+            stats = filter_pixels.select_pixels(root, "laion", profile)
             runs.append(time.perf_counter() - start)
         written = sorted((root / "laion" / "selected").glob("[0-9]*.parquet"))
         rows_written = sum(pq.read_metadata(p).num_rows for p in written)

@@ -8,7 +8,9 @@ worker processes ("executor": "local-processes"; Ray comes later), then the one-
 cpu_seconds: the tasks' CPU seconds; peak_task_rss_gb: the largest worker's peak (a worker's
 high-water mark over the tasks it ran); temp_bytes: the most the partition files held at once.
 Prints one JSON line per run, last.
+--semantic: semantic dedup instead (bench/global_semantic.py), the same keys.
 Usage: python bench/global_dedup.py --rows N --nodes K [--rows-per-task M] [--workdir DIR]
+       [--semantic [--dim D] [--slots-per-task S]]
 """
 
 from __future__ import annotations
@@ -143,10 +145,18 @@ def main() -> None:
     parser.add_argument("--max-distance", type=int, default=4)
     parser.add_argument("--one-node-max-rows", type=int, default=30_000_000)
     parser.add_argument("--workdir", default=None, help="where the partition files go")
-    parser.add_argument("--semantic", action="store_true")
+    parser.add_argument("--semantic", action="store_true", help="see bench/global_semantic.py")
+    parser.add_argument("--dim", type=int, default=768, help="--semantic: CLIP ViT-L/14's")
+    parser.add_argument("--threshold", type=float, default=0.95, help="--semantic: cosine")
+    parser.add_argument("--max-visits", type=int, default=2, help="--semantic")
+    parser.add_argument("--rows-per-file", type=int, default=65536, help="--semantic: inputs")
+    parser.add_argument("--slots-per-task", type=int, default=65536, help="--semantic: scans")
     args = parser.parse_args()
     if args.semantic:
-        parser.error("--semantic: semantic dedup is not partitioned yet (issue 35)")
+        from global_semantic import bench_semantic
+
+        print(json.dumps(bench_semantic(args)), flush=True)
+        return
     print(json.dumps(bench(args)), flush=True)
 
 

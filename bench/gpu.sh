@@ -42,8 +42,8 @@ step() {
 # seconds, and compiling SD1.5's training step takes minutes.
 step encode 150 python3 bench/encode.py --device cuda --size full --layouts legacy \
     --num-images 1024 --repeats 1 --naive-images 8
-step gpu-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/tasks/test_encode_speed.py \
-    tests/sdtrain/test_warm_up.py tests/tasks/test_score_fast.py tests/tasks/test_score_processes.py
+step gpu-tests 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/tasks/latents/test_encode_speed.py \
+    tests/sdtrain/test_warm_up.py tests/tasks/curation/test_score_fast.py tests/tasks/curation/test_score_processes.py
 step encode-buckets 200 python3 bench/encode.py --device cuda --size full --baseline none \
     --layouts legacy,buckets,flips --num-images 2048 --repeats 1 --naive-images 8
 step train-compiled 300 python3 bench/train.py --device cuda --size full --skip-naive --repeats 1 \

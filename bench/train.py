@@ -48,48 +48,20 @@ import tempfile
 import time
 
 import numpy as np
-import yaml
-
-from bench.encode import SD_VAE
 
 DENSE_BF16_PEAK_FLOPS = 989e12  # H100 / H200 SXM, dense
-# SD1.5's VAE and CLIP ViT-L/14 text encoder as configs: the full-size bench builds them with
-# random weights (speed does not depend on the values) so it runs without downloads.
-SD_VAE_CONFIG = SD_VAE | {"sample_size": 512}  # sd-vae-ft-mse, as bench/encode.py
-CLIP_L_TEXT_CONFIG = {
-    "vocab_size": 49408,
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "max_position_embeddings": 77,
-    "hidden_act": "quick_gelu",
-    "projection_dim": 768,
-    "bos_token_id": 49406,
-    "eos_token_id": 49407,
-    "pad_token_id": 49407,
-}
+# Seed 002's tag augmentation: the trainer's with --train-time-captions, and the loader timed.
+CAPTION_AUGMENTATION = {"shuffle_tags_p": 0.5, "keep_tokens": 1, "tag_dropout": 0.1}
 
 
 def write_catalog(work: Path, size: str) -> str:
-    """A catalog copy with a `bench` model: the tiny twin, or SD1.5 with random weights."""
-    from catalog.loader import PACKAGED_DIR
+    """This process's catalog: a copy with a `bench` model, the tiny twin or SD1.5 with random
+    weights."""
+    from bench.catalogs import bench_model, use_copy
+    from catalog.copies import edit_entries
 
-    catalog = work / "catalog"
-    shutil.copytree(PACKAGED_DIR, catalog, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    models = yaml.safe_load((catalog / "models.yaml").read_text())
-    if size == "tiny":
-        bench = dict(models["tiny"])
-    else:
-        bench = {
-            "resolution": 512,
-            "unet_config": models["sd15"]["unet_config"],
-            "vae_config": SD_VAE_CONFIG,
-            "text_config": CLIP_L_TEXT_CONFIG,
-        }
-    models["bench"] = bench
-    (catalog / "models.yaml").write_text(yaml.safe_dump(models))
-    os.environ["SDPIPE_CATALOG"] = str(catalog)
+    with edit_entries(use_copy(work) / "models.yaml") as models:
+        models["bench"] = bench_model(models, full=size == "full")
     return "bench"
 
 
@@ -233,8 +205,7 @@ def bench_captions(args, phase: Path, step_s: float) -> dict:
     from sdtrain.captions import CaptionSettings, TrainTimeCaptions
     from sdtrain.data import PhaseSet, collate
 
-    settings = CaptionSettings(shuffle_tags_p=0.5, keep_tokens=1, tag_dropout=0.1)
-    captions = TrainTimeCaptions(phase, settings, seed=0)
+    captions = TrainTimeCaptions(phase, CaptionSettings(**CAPTION_AUGMENTATION), seed=0)
     stored_set, text_set = PhaseSet(phase), PhaseSet(phase, captions=captions)
     rng = np.random.default_rng(0)
     batches = []
@@ -265,11 +236,7 @@ def bench_captions(args, phase: Path, step_s: float) -> dict:
         timings[name] = best
     extra = timings["collate"] - timings["stored"]
     return {
-        "caption_settings": {
-            "shuffle_tags_p": settings.shuffle_tags_p,
-            "keep_tokens": settings.keep_tokens,
-            "tag_dropout": settings.tag_dropout,
-        },
+        "caption_settings": CAPTION_AUGMENTATION,
         "data_ms_per_batch_stored_ids": 1e3 * timings["stored"],
         "data_ms_per_batch_train_time_captions": 1e3 * timings["collate"],
         "data_ms_per_batch_train_time_captions_per_item": 1e3 * timings["per_item"],
@@ -278,21 +245,14 @@ def bench_captions(args, phase: Path, step_s: float) -> dict:
     }
 
 
-def window_rate(records: list[dict], *, global_batch: int, log_every: int) -> float:
-    """Samples/s over the logged windows `records` (each `log_every` steps)."""
-    seconds = sum(log_every * global_batch / r["samples_per_s"] for r in records)
-    return len(records) * log_every * global_batch / seconds
-
-
-def steady_rates(records: list[dict], *, global_batch: int, log_every: int) -> tuple[float, float]:
-    """(samples/s, data-wait fraction) over the logged windows after the first."""
-    seconds = wait = samples = 0.0
-    for r in records[1:]:
+def rates(windows: list[dict], *, global_batch: int, log_every: int) -> tuple[float, float]:
+    """(samples/s, data-wait fraction) over logged windows (each `log_every` steps)."""
+    seconds = wait = 0.0
+    for r in windows:
         dt = log_every * global_batch / r["samples_per_s"]
         seconds += dt
         wait += r["data_wait"] * dt
-        samples += log_every * global_batch
-    return samples / seconds, wait / seconds
+    return len(windows) * log_every * global_batch / seconds, wait / seconds
 
 
 def bench_sdpipe(
@@ -334,28 +294,19 @@ def bench_sdpipe(
         **speed,
         # Issue 20: captions drawn, shuffled, dropped and tokenized in the loader, on the training
         # thread (num_workers 0), so their cost is part of the data wait the trainer measures.
-        **(
-            {
-                "train_time_captions": True,
-                "shuffle_tags_p": 0.5,
-                "keep_tokens": 1,
-                "tag_dropout": 0.1,
-            }
-            if args.train_time_captions
-            else {}
-        ),
+        train_time_captions=args.train_time_captions,
+        **(CAPTION_AUGMENTATION if args.train_time_captions else {}),
     )
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON alone
         summary = train(config)
     records = [r for r in read_log(run_dir / "log.jsonl") if "loss" in r]
-    rates = dict(global_batch=args.batch_size, log_every=args.warmup)
+    windows = dict(global_batch=args.batch_size, log_every=args.warmup)
     first = [r for r in records if r["step"] <= args.first_steps]
     later = [r for r in records if r["step"] > args.first_steps]
-    if later:  # the steady rate: after the first steps (every shape seen by then)
-        samples_per_s, wait = steady_rates(first[-1:] + later, **rates)
-    else:
-        samples_per_s, wait = steady_rates(records, **rates)
-    first_rate = window_rate(first, **rates)
+    # The steady rate: the windows after the first, and after the first steps when there are
+    # more (every shape seen by then).
+    samples_per_s, wait = rates((first[-1:] + later if later else records)[1:], **windows)
+    first_rate, _ = rates(first, **windows)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # SD1.5's fill the disk
     shutil.rmtree(run_dir / "final", ignore_errors=True)
     return {
@@ -542,7 +493,6 @@ def main() -> None:
             plan=plan,
             images=not args.skip_naive,
         )
-        issue_20 = {}
         sdpipe_runs, naive_runs, baseline_runs = [], [], []
         for i in range(args.repeats):
             if args.baseline:
@@ -573,12 +523,11 @@ def main() -> None:
         }
         if args.train_time_captions:
             step_s = args.batch_size / result["samples_per_s"] * (1 - result["data_wait_fraction"])
-            issue_20.update(bench_captions(args, phase, step_s))
+            result.update(bench_captions(args, phase, step_s))
         if args.buckets:
-            issue_20["buckets"] = sorted(
+            result["buckets"] = sorted(
                 p.stem.split(".", 1)[1] for p in (phase / "latents").glob("*.npy")
             )
-        result.update(issue_20)
         if baseline_runs:
             best = max(baseline_runs, key=lambda r: r["samples_per_s"])
             result["baseline"] = {"steps": args.baseline_steps, **best}

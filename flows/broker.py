@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
-from tasks.runtime.net import free_port
+from flows.loopback_server import LoopbackServer
 
 
 def server_env(host: str, port: int, db: int = 0) -> dict[str, str]:
@@ -42,17 +40,14 @@ def unavailable_reason() -> str | None:
     return None
 
 
-class Redis:
+class Redis(LoopbackServer):
     """`with Redis() as r: r.server_env()` — a started redis-server, removed on exit."""
 
-    def __init__(self, port: int | None = None):
-        self.port = port or free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="sdpipe-redis-"))
-        self.proc: subprocess.Popen | None = None
+    folder_prefix = "sdpipe-redis-"
+    unavailable_reason = staticmethod(unavailable_reason)
+    proc: subprocess.Popen | None = None
 
-    def start(self) -> Redis:
-        if reason := unavailable_reason():
-            raise RuntimeError(reason)
+    def _start(self) -> None:
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir"]
             + [str(self.dir), "--save", "", "--appendonly", "no"],
@@ -62,7 +57,7 @@ class Redis:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if "Ready to accept connections" in (self.dir / "redis.log").read_text():
-                return self
+                return
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
@@ -71,14 +66,7 @@ class Redis:
     def server_env(self) -> dict[str, str]:
         return server_env("127.0.0.1", self.port)
 
-    def stop(self) -> None:
+    def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=20)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Redis:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

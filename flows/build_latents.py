@@ -32,7 +32,7 @@ from flows.devices import read_ahead, warm_file
 from flows.executor import Executor, executor
 from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
-from tasks.curation import filter, score, selection, views
+from tasks.curation import filter, filter_pixels, score, selection, views
 from tasks.curation.score import ScoringWeightsError
 from tasks.latents import encode, hf_export, images, tokenize
 from tasks.runtime import concurrency, shards
@@ -433,10 +433,10 @@ def select_pixels(root: Path, name: str, profile, identity: dict | None):
     GPU with score, encode or a training."""
     options = dict(scored=identity is not None, scorer_identity=identity)
     if "semantic" not in profile.dedup:
-        return filter.select_pixels(root, name, profile, **options)
+        return filter_pixels.select_pixels(root, name, profile, **options)
     with pools.gpu_device() as device:
         on = str(device) if device.type == "cuda" else None
-        return filter.select_pixels(root, name, profile, device=on, **options)
+        return filter_pixels.select_pixels(root, name, profile, device=on, **options)
 
 
 def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from catalog import CatalogError, load_catalog
+from flows import lineage
 from flows.local import prefect_api  # the data root's own server, or PREFECT_API_URL
 from tasks.runtime.shards import data_root
 
@@ -417,6 +418,12 @@ def cmd_prune_latents(args: argparse.Namespace) -> None:
         print(f"would delete {total} (a dry run: nothing deleted; run with --yes to delete)")
 
 
+def cmd_remove(args: argparse.Namespace) -> int:
+    from flows.remove import cmd_remove  # the removal's own messages and exit codes
+
+    return cmd_remove(args)
+
+
 def cmd_stop(args: argparse.Namespace) -> None:
     from flows import local
 
@@ -530,6 +537,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
     _add_finetune_parser(sub)
     _add_eval_parser(sub)
+    lineage.add_parser(sub)
+    p = sub.add_parser(
+        "remove",
+        help="take samples back: every output of SOURCE rewritten without the listed rows (kept "
+        "generations and the HF export too), phase sets re-linked, the list kept as a blocklist",
+    )
+    p.add_argument("source")
+    p.add_argument("--list", type=Path, required=True, dest="list_file",
+                   help="URLs, hashes, image sha256s or keys: parquet, or a line each")  # fmt: skip
+    p.add_argument("--widen", action="store_true",
+                   help="also the same picture elsewhere (sha256, or pHash near)")  # fmt: skip
+    p.set_defaults(fn=cmd_remove)
     p = sub.add_parser(
         "prune-latents",
         help="latents of an old spec kept for phase sets that no longer link them: "

@@ -3,9 +3,10 @@
 The plan (requested vs available per dataset, steps, disk, ETA), for the nodes and ranks the
 training will start, is published first and a phase short of data fails there, before any
 training. While the phase's run has checkpoints, its phase set is reused, so a resume trains on
-the rows it started on. Phase N starts from phase N-1's final weights and the flow refuses to
-start before they exist. After training, the phase is
-evaluated on its eval set (flows/evaluate.py), whose networks are checked before training starts.
+the rows it started on (or, after a removal re-linked it, resumes on it without the removed
+rows: `resume_remixed`, a new lineage segment). Phase N starts from phase N-1's final weights
+and the flow refuses to start before they exist. After training, the phase is evaluated on its
+eval set (flows/evaluate.py), whose networks are checked before training starts.
 Trainer lines stream into the logs and a progress artifact. A training holds the slots of its
 node's GPU pool (flows/pools.py: the global concurrency limit `sdpipe-gpu-<pool>`) for every
 GPU it uses, so it never shares GPUs with score/encode shards or another training; on more
@@ -32,7 +33,7 @@ from prefect.artifacts import (
 from prefect.states import Failed
 
 from catalog import Catalog, CatalogError, Phase, load_catalog
-from flows import evaluate, pools, train_pictures
+from flows import evaluate, lineage, pools, train_pictures
 from flows.credentials import export_secrets
 from tasks.phases import mix, plan
 from tasks.phases.train import (
@@ -85,7 +86,13 @@ def plan_task(
 @task(name="mix", task_run_name="mix-{phase.name}")
 def mix_task(root: Path, catalog: Catalog, phase: Phase) -> dict:
     report = mix.phase_set_for_run(root, catalog, phase)
-    if report["reused"]:
+    if report["remixed"]:
+        get_run_logger().info(
+            f"{phase.name}: its phase set was re-linked by removal "
+            f"{', '.join(r[:12] for r in report['remixed'])}; training resumes from its latest "
+            "checkpoint on the set without the removed rows (a new lineage segment)"
+        )
+    elif report["reused"]:
         get_run_logger().info(
             f"{phase.name}: its run has checkpoints; training resumes on its phase set as it "
             "is (delete runs/<phase>/checkpoints to draw a new mix)"
@@ -132,6 +139,7 @@ def train_task(
     wandb_project: str = "",
     nodes: int = 0,
     cluster: str = "",
+    resume_remixed: bool = False,
 ) -> dict:
     logger = get_run_logger()
     nodes = nodes or phase.nodes
@@ -140,6 +148,7 @@ def train_task(
         phase_dir=root / "phases" / phase.name,
         run_dir=root / "runs" / phase.name,
         init_from=init_from,
+        resume_remixed=resume_remixed,
     )
     config.wandb_project = wandb_project
     progress_id = create_progress_artifact(
@@ -207,7 +216,8 @@ def curriculum(
         if not mix.run_has_checkpoints(root, spec.name):  # a resume keeps its phase set
             plan_task(root, catalog, spec, nodes, cluster)
         report = mix_task(root, catalog, spec)
-        summary = train_task(root, spec, init_from, wandb_project, nodes, cluster)
+        remixed = bool(report.get("remixed"))  # a removal re-linked the set since
+        summary = train_task(root, spec, init_from, wandb_project, nodes, cluster, remixed)
         scores = evaluate.eval_task(root, spec.name) if spec.eval_set else None
     except (CatalogError, PhaseNotReady, mix.MixError, TrainingFailed, *evaluate.USER_ERRORS) as e:
         logger.error(str(e))
@@ -239,6 +249,7 @@ def curriculum(
         key=f"{_key(spec.name)}-train-summary",
         description=f"{spec.name}: training summary",
     )
+    lineage.publish_removed_flags(root)  # a checkpoint on rows removed since, flagged
     return summary
 
 

@@ -14,10 +14,9 @@ import os
 import pwd
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from tasks.runtime.net import free_port
+from flows.loopback_server import LoopbackServer
 
 USER = "sdpipe"
 
@@ -51,12 +50,14 @@ def unavailable_reason() -> str | None:
     return None
 
 
-class Postgres:
+class Postgres(LoopbackServer):
     """`with Postgres() as pg: pg.url("prefect")` — a started cluster, removed on exit."""
 
+    folder_prefix = "sdpipe-pg-"
+    unavailable_reason = staticmethod(unavailable_reason)
+
     def __init__(self, port: int | None = None):
-        self.port = port or free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="sdpipe-pg-"))
+        super().__init__(port)
         self.data = self.dir / "data"
         self.log = self.dir / "postgres.log"
         self.bin = bin_dir()
@@ -72,9 +73,7 @@ class Postgres:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stdout}{done.stderr}{log}")
         return done
 
-    def start(self) -> Postgres:
-        if reason := unavailable_reason():
-            raise RuntimeError(reason)
+    def _start(self) -> None:
         if self._as_postgres:
             pw = pwd.getpwnam("postgres")
             os.chown(self.dir, pw.pw_uid, pw.pw_gid)
@@ -83,7 +82,6 @@ class Postgres:
             f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} -c max_connections=200"
         )
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", options, "-w", "start")
-        return self
 
     def create_database(self, name: str) -> str:
         self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", USER, name)
@@ -93,13 +91,6 @@ class Postgres:
         """The SQLAlchemy URL Prefect takes as PREFECT_API_DATABASE_CONNECTION_URL."""
         return f"postgresql+asyncpg://{USER}@127.0.0.1:{self.port}/{database}"
 
-    def stop(self) -> None:
+    def _stop(self) -> None:
         if (self.data / "postmaster.pid").exists():
             self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> Postgres:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

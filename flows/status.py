@@ -27,6 +27,7 @@ from pathlib import Path
 
 from flows.names import DISPLAY
 from sdtrain.atomic import TMP_MARK
+from tasks.phases import lineage
 from tasks.runtime.shards import read_stats, summarize
 
 # Stage folders in DAG order, and their dashboard names (the optional HF export is not a
@@ -152,6 +153,8 @@ def status(root: Path, sources: list[str] | None = None) -> dict:
         "root": str(root),
         "sources": {s: source_status(root, s) for s in (sources or sources_in(root))},
         "phases": {p: phase_status(root, p) for p in ([] if sources else phases_in(root))},
+        # checkpoints that trained on rows a removal took out since (tasks.phases.lineage)
+        "removed_since": [] if sources else lineage.removed_flags(root),
     }
 
 
@@ -180,4 +183,9 @@ def format_status(report: dict) -> str:
         detail = f" ({p['detail']})" if p["detail"] else ""
         samples = f" ({p['num_samples']} samples)" if p.get("num_samples") is not None else ""
         lines.append(f"phase {phase}: mix {p['mix']}{samples}, train {p['train']}{step}{detail}")
+    for f in report.get("removed_since", []):
+        lines.append(
+            f"  removed since: {f['checkpoint']} trained on {f['num_rows']} removed rows "
+            f"(phase {f['phase']}, first at step {f['first_step']})"
+        )
     return "\n".join(lines)

@@ -39,6 +39,7 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.", "unet.", "_fsdp_wrapped_module.")
 CHECKSUMS = "checksums.json"
 BEST_BY = "best-by-"  # link prefix: `best-by-clip_score` is the checkpoint that metric chose
 EMA_FILE = "ema.json"  # {"ema_step": optimizer steps the EMA has averaged, across phases}
+LINEAGE_FILE = "lineage.json"  # what the weights trained on: sdtrain.lineage
 
 
 class CheckpointError(Exception):
@@ -148,10 +149,12 @@ def write_checkpoint(
     trainer: dict | None = None,
     ema_step: int = 0,
     extra: dict[str, dict[str, torch.Tensor]] | None = None,
+    lineage: str | None = None,
 ) -> Path:
     """Write `directory` whole: built under a hidden temporary name, then swapped into place.
 
-    `extra`: more weights files by name (a fine-tune's trained text encoder). Refuses
+    `extra`: more weights files by name (a fine-tune's trained text encoder); `lineage`: the
+    segments of the rows trained on (`sdtrain.lineage`), JSON. Refuses
     non-finite weights. The files are written concurrently (the large ones release
     the GIL): at SD1.5 size that is what a cancel has to fit in (docs/benchmarks.md).
     """
@@ -167,6 +170,8 @@ def write_checkpoint(
         "config.json": config.to_json,
         EMA_FILE: lambda p: p.write_text(json.dumps({"ema_step": ema_step})),
     }
+    if lineage is not None:
+        files[LINEAGE_FILE] = lambda p: p.write_text(lineage)
     for name, state in (extra or {}).items():
         check_finite(state, name)
         files[name] = lambda p, s=state: save_file(cpu_state(s), str(p))
@@ -230,6 +235,50 @@ def read_trainer_state(directory: Path, device: torch.device) -> dict:
         raise CheckpointError(
             f"{legacy}: not loaded (only plain tensors and data are): {e}"
         ) from None
+
+
+# What a set re-mixed since (rows taken out by a removal) may change under a resume.
+REMIX_KEYS = ("manifest_sha256", "num_train_rows", "total_steps", "batches_per_epoch")
+
+
+def check_resumable(
+    state: dict,
+    run_shape: dict,
+    *,
+    bucketed: bool,
+    resume_from: Path,
+    manifest: Path,
+    remixed: bool = False,
+) -> None:
+    """Fails, saying what to do, unless the checkpoint's run had this run's shape (steps,
+    global batch, rows, seed, objective, the phase set's `manifest` digest) and read its set the
+    same way (epoch sampler or batches of one bucket). `remixed`: the set may have been re-mixed
+    (`REMIX_KEYS` may differ; the run goes on from the same epoch position, a new lineage
+    segment)."""
+    for key, value in run_shape.items():
+        if key not in state["run_shape"] or (remixed and key in REMIX_KEYS):
+            continue
+        if key == "manifest_sha256" and state["run_shape"][key] != value:
+            raise CheckpointError(
+                f"{resume_from} was trained on another phase set: "
+                f"{manifest} changed since (sha256 "
+                f"{state['run_shape'][key][:12]} -> {value[:12]}); restore that phase set "
+                "to resume, or delete the run's checkpoints/ to train the phase from the start"
+            )
+        if state["run_shape"][key] != value:
+            raise CheckpointError(
+                f"{resume_from}: written by a run with {key}={state['run_shape'][key]!r}, "
+                f"this run has {value!r}; resume with the same settings or use a new run_dir"
+            )
+    was_bucketed = state.get("batches_done") is not None  # older checkpoints: never
+    if was_bucketed != bucketed:
+        orders = ("in the epoch sampler's order", "in batches of one bucket")
+        raise CheckpointError(
+            f"{resume_from}: written by a run that read its phase set "
+            f"{orders[was_bucketed]}, this run reads it {orders[bucketed]} (flip_p, "
+            "sample_latents, train_time_captions or the set's buckets changed); resume "
+            "with the same settings or use a new run_dir"
+        )
 
 
 # numpy's RNG state in trainer.pt files of older versions: data, not code.

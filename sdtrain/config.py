@@ -1,7 +1,7 @@
 """The typed config of one training run, written to `<run_dir>/config.json` and read by torchrun.
 
-The field defaults are the base run config (the recipe's settings); a phase's run config is
-derived from it by `run_config_for_phase`, which overrides only what the catalog phase sets.
+The field defaults are the base run config (the recipe's settings); `run_config` derives a
+phase's or a fine-tune's from it, overriding only what the catalog entry sets.
 `batch_size` is per rank: the effective batch is batch_size x world_size x grad_accum.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from catalog import Phase
+from catalog import Finetune, Phase
 from sdtrain.atomic import atomic_path
 
 DEFAULT_PROMPTS = (
@@ -54,6 +54,9 @@ class TrainConfig:
     model: str  # catalog model name
     init_from: str = ""  # a previous run's final/ folder (unet.safetensors, unet_ema.safetensors)
     resume: bool = True  # continue from <run_dir>/checkpoints/latest when it exists
+    # Resume on a phase set re-mixed since the checkpoint (a removal took rows out): the set's
+    # digest, rows and steps may differ; the checkpoint's lineage gets a segment per set.
+    resume_remixed: bool = False
     seed: int = 0
 
     # Schedule: total steps = per-rank batches per epoch x epochs / grad_accum (or max_steps).
@@ -156,9 +159,19 @@ class TrainConfig:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
-# Catalog phase fields that override the base run config when the phase sets them.
-PHASE_OVERRIDES = (
+# A catalog entry's settings that the run config holds under the same names. A value the
+# entry leaves unset (None, or no prompts) keeps the base run config's.
+PHASE_FIELDS = (
+    "seed",
+    "lr",
+    "warmup_steps",
+    "epochs",
     "max_steps",
+    "batch_size",
+    "grad_accum",
+    "cfg_dropout",
+    "min_snr_gamma",
+    "sample_prompts",
     "prediction_type",
     "offset_noise",
     "ema_every",
@@ -177,39 +190,86 @@ PHASE_OVERRIDES = (
     "validate_every",
     "log_every",
     "sample_every",
-)
-# Catalog phase fields copied into the run config as they are (the phase's defaults are the
-# run config's).
-CAPTION_SETTINGS = (
     "train_time_captions",
     "shuffle_tags_p",
     "keep_tokens",
     "tag_separator",
     "tag_dropout",
 )
+FINETUNE_FIELDS = (
+    "seed",
+    "lr",
+    "lr_schedule",
+    "warmup_steps",
+    "batch_size",
+    "max_grad_norm",
+    "checkpoint_every",
+    "log_every",
+    "sample_every",
+    "sample_steps",
+    "channels_last",
+    "gradient_checkpointing",
+)
+# What every fine-tune run is, whatever its entry says: its `steps` end it, the epochs only
+# bound the loader (a few images, many steps); the plain MSE (no min-SNR weights, no caption
+# dropout); no EMA of its own (sdtrain/finetune.py); no held-out rows, no checkpoint kept.
+FINETUNE_RUN = dict(
+    epochs=1_000_000,
+    cfg_dropout=0.0,
+    min_snr_gamma=0.0,
+    ema_decay=0.0,
+    ema_carry=False,
+    num_val_samples=0,
+    keep_every=0,
+    validate_every=0,
+)
+
+
+def run_config(
+    entry: Phase | Finetune,
+    *,
+    name: str,
+    phase_dir: str | Path,
+    run_dir: str | Path,
+    model: str,
+    init_from: str | Path = "",
+    **derived,
+) -> TrainConfig:
+    """The one builder of a run config: the base run config with a catalog phase's or
+    fine-tune's settings, and what the caller derives from elsewhere (`derived`: a fine-tune's
+    base weights and prompts); a setting given twice fails instead of one hiding the other."""
+    if isinstance(entry, Phase):
+        names = PHASE_FIELDS
+    else:
+        names, derived = FINETUNE_FIELDS, {**FINETUNE_RUN, "max_steps": entry.steps, **derived}
+    settings = {f: v for f in names if (v := getattr(entry, f)) is not None and v != ()}
+    return TrainConfig(
+        phase=name,
+        phase_dir=str(phase_dir),
+        run_dir=str(run_dir),
+        model=model,
+        init_from=str(init_from),
+        **settings,
+        **derived,
+    )
 
 
 def run_config_for_phase(
-    phase: Phase, *, phase_dir: str | Path, run_dir: str | Path, init_from: str | Path = ""
+    phase: Phase,
+    *,
+    phase_dir: str | Path,
+    run_dir: str | Path,
+    init_from: str | Path = "",
+    **derived,
 ) -> TrainConfig:
-    """The base run config with a catalog phase's settings; `init_from`: the previous final/."""
-    overrides = {f: getattr(phase, f) for f in PHASE_OVERRIDES if getattr(phase, f) is not None}
-    if phase.sample_prompts:
-        overrides["sample_prompts"] = phase.sample_prompts
-    overrides.update({f: getattr(phase, f) for f in CAPTION_SETTINGS})
-    return TrainConfig(
-        phase=phase.name,
-        phase_dir=str(phase_dir),
-        run_dir=str(run_dir),
+    """The base run config with a catalog phase's settings; `init_from`: the previous final/;
+    `derived`: what the caller derives (`resume_remixed` after a removal re-linked the set)."""
+    return run_config(
+        phase,
+        name=phase.name,
+        phase_dir=phase_dir,
+        run_dir=run_dir,
         model=phase.model,
-        init_from=str(init_from),
-        seed=phase.seed,
-        lr=phase.lr,
-        warmup_steps=phase.warmup_steps,
-        epochs=phase.epochs,
-        batch_size=phase.batch_size,
-        grad_accum=phase.grad_accum,
-        cfg_dropout=phase.cfg_dropout,
-        min_snr_gamma=phase.min_snr_gamma,
-        **overrides,
+        init_from=init_from,
+        **derived,
     )

@@ -408,7 +408,10 @@ def split_rows(num_rows: int, num_val: int, seed: int) -> tuple[np.ndarray, np.n
     if num_val >= num_rows:
         raise ValueError(f"num_val_samples={num_val} leaves no training rows of {num_rows}")
     order = np.random.default_rng((seed, 2)).permutation(num_rows)
-    return np.sort(order[num_val:]), np.sort(order[:num_val])
+    # A mask, not a sort, puts the training rows in order: linear (100M rows: 2 s, not 10).
+    training = np.ones(num_rows, bool)
+    training[order[:num_val]] = False
+    return np.flatnonzero(training), np.sort(order[:num_val])
 
 
 class EpochSampler(Sampler[int]):
@@ -438,14 +441,19 @@ class EpochSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_per_rank - self.start // self.world_size
 
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The epoch's permutation, cut to a multiple of world_size: rank r takes every
+        world_size-th from r (what all ranks draw, `sdtrain.lineage`, is this)."""
+        generator = torch.Generator().manual_seed(self.seed + epoch)
         # int32 draws the same permutation as the default int64, in half the memory.
         small = self.num_samples <= torch.iinfo(torch.int32).max
         order = torch.randperm(
             self.num_samples, generator=generator, dtype=torch.int32 if small else torch.int64
         )
-        order = order[: self.num_per_rank * self.world_size]
+        return order[: self.num_per_rank * self.world_size]
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.epoch_order(self.epoch)
         mine = order[self.start :][self.rank :: self.world_size].clone()
         del order
         return self._ints(mine)

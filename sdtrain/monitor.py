@@ -1,8 +1,7 @@
-"""What rank 0 reports: console lines, `log.jsonl`, TensorBoard, and W&B when configured.
-
-A resumed run first drops what the killed run logged after its checkpoint (log.jsonl records,
-TensorBoard events via `purge_step`), so the logs are the history of the weights on disk. The
-curriculum flow redraws the dashboard from these files when a console line says they changed.
+"""What rank 0 reports (console lines, `log.jsonl`, TensorBoard, W&B when configured), and
+the window of steps every rank sums between two records. A resumed run first drops what the
+killed run logged after its checkpoint (log.jsonl, TensorBoard via `purge_step`): the logs are
+the history of the weights on disk. The curriculum flow redraws the dashboard from these files.
 """
 
 from __future__ import annotations
@@ -10,13 +9,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from sdtrain.atomic import atomic_path
 from sdtrain.config import TrainConfig
+
+
+class LogWindow:
+    """The optimizer steps since the last log record: this rank's summed loss of the finite
+    ones, the data wait, rank 0's rows (the data order), the last step's lr and gradient norm."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)
+        self.rows: list[torch.Tensor] = []
+        self.lr, self.grad_norm = 0.0, torch.zeros(())
+        self.reset(time.perf_counter())
+
+    def reset(self, now: float) -> None:
+        self.loss.zero_()
+        self.rows.clear()
+        self.steps, self.finite, self.wait, self.start = 0, 0, 0.0, now
 
 
 class Monitor:

@@ -8,12 +8,10 @@ with its SQLite database, a process worker and every deployment of prefect.yaml.
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
@@ -29,17 +27,15 @@ DEMO_IMAGES = 60
 
 def write_small_catalog(dest: Path, *, num_images: int = DEMO_IMAGES) -> Path:
     """The shipped catalog with a smaller demo source (and shards), for fast tests."""
-    from catalog.loader import PACKAGED_DIR
+    from catalog.copies import copy_catalog, edit_entries
 
-    shutil.copytree(PACKAGED_DIR, dest, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
-    sources = yaml.safe_load((dest / "sources.yaml").read_text())
-    sources["demo"]["options"] = {"num_images": num_images, "seed": 1}
-    sources["demo"]["samples_per_shard"] = 24
-    (dest / "sources.yaml").write_text(yaml.safe_dump(sources))
-    phases = yaml.safe_load((dest / "phases.yaml").read_text())
-    phases["demo"]["max_steps"] = 4
-    phases["demo"]["allow_short"] = True  # asks for the 240 of the full-size demo source
-    (dest / "phases.yaml").write_text(yaml.safe_dump(phases))
+    copy_catalog(dest)
+    with edit_entries(dest / "sources.yaml") as sources:
+        sources["demo"]["options"] = {"num_images": num_images, "seed": 1}
+        sources["demo"]["samples_per_shard"] = 24
+    with edit_entries(dest / "phases.yaml") as phases:
+        phases["demo"]["max_steps"] = 4
+        phases["demo"]["allow_short"] = True  # asks for the 240 of the full-size demo source
     return dest
 
 
@@ -72,6 +68,15 @@ def prefect_stack(tmp_path_factory, small_catalog):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread_per_module():
+    """A test module's tests on one torch thread (tests/torch_threads.py)."""
+    from tests.torch_threads import one_torch_thread
+
+    with one_torch_thread():
+        yield
 
 
 # Worker nodes of the shared local Ray cluster (tests/ray_cluster.py).

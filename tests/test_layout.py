@@ -1,6 +1,7 @@
 """The layout a reader relies on, read from the source with `ast` (nothing is imported):
 rooms layered one way (catalog <- sdtrain <- tasks <- flows), no import cycle among the
-project's modules, no module over 600 lines, and tasks/ in stage-family subpackages only.
+project's modules, no module over 600 lines (bench/'s too), no function over 150 lines in the
+rooms, and tasks/ in stage-family subpackages only.
 
 Imports at module level and inside functions both count; those under `if TYPE_CHECKING:` do
 not (annotations only, never run).
@@ -14,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ("catalog", "sdtrain", "tasks", "flows")  # lowest first: a room imports only below it
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 150
 
 
 def _modules() -> dict[str, Path]:
@@ -111,12 +113,24 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_over_the_line_limit():
+    benchmarks = {f"bench.{p.stem}": p for p in sorted((ROOT / "bench").glob("*.py"))}
     long = {
         name: n
-        for name, path in _modules().items()
+        for name, path in {**_modules(), **benchmarks}.items()
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}, f"modules over {MAX_LINES} lines: split them by their parts"
+
+
+def test_no_function_over_the_line_limit():
+    long = {
+        f"{name}.{node.name}": n
+        for name, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    }
+    assert long == {}, f"functions over {MAX_FUNCTION_LINES} lines: split them by their parts"
 
 
 def test_no_import_cycles():

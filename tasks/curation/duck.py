@@ -106,14 +106,19 @@ class SpillPlan:
         )
 
 
-def spill_plan(root: Path, files: list[Path]) -> SpillPlan:
-    """The spill estimate of a session reading `files`, logged (a warning when the spill
-    folder's disk has less free): row groups' uncompressed sizes from the footers."""
-    size = sum(
+def input_bytes(files: list[Path]) -> int:
+    """The files' uncompressed size: their row groups' sizes from the footers."""
+    return sum(
         meta.row_group(i).total_byte_size
         for meta in (pq.read_metadata(f) for f in files)
         for i in range(meta.num_row_groups)
     )
+
+
+def spill_plan(root: Path, files: list[Path]) -> SpillPlan:
+    """The spill estimate of a session reading `files`, logged (a warning when the spill
+    folder's disk has less free): row groups' uncompressed sizes from the footers."""
+    size = input_bytes(files)
     temp = temp_directory(root)
     temp.mkdir(parents=True, exist_ok=True)
     plan = SpillPlan(
@@ -150,6 +155,13 @@ def read_files(files: list[Path]) -> str:
     return f"read_parquet({paths!r}, {union}filename=true, file_row_number=true)"
 
 
+def write_shard(part: pa.Table, path: Path) -> None:
+    """One filtered shard as the stage writes it (the partitioned path writes the same bytes)."""
+    # Keys, URLs and captions are (nearly) unique: a dictionary attempt on them is wasted work.
+    dictionary = [c for c in ("source",) if c in part.schema.names]
+    pq.write_table(part, path, use_dictionary=dictionary)
+
+
 def write_shards(kept: duckdb.DuckDBPyRelation, out_dir: Path, samples_per_shard: int) -> int:
     """Write `kept` (ordered by key) as NNNNN.parquet shards as it streams out of DuckDB;
     returns the shard count. Memory holds the shards being written, never the whole output."""
@@ -160,12 +172,10 @@ def write_shards(kept: duckdb.DuckDBPyRelation, out_dir: Path, samples_per_shard
         if hasattr(kept, "to_arrow_reader")
         else kept.fetch_record_batch(samples_per_shard)
     )
-    # Keys, URLs and captions are (nearly) unique: a dictionary attempt on them is wasted work.
-    dictionary = [c for c in ("source",) if c in reader.schema.names]
 
     def write(index: int, part: pa.Table) -> None:
         with atomic_path(out_dir / f"{shard_name(index)}.parquet") as tmp:
-            pq.write_table(part, tmp, use_dictionary=dictionary)
+            write_shard(part, tmp)
 
     def shards() -> Iterator[pa.Table]:
         """`samples_per_shard` rows at a time (the last shard shorter), in order."""

@@ -47,13 +47,17 @@ def save_partitioned(folder: Path, name: str, columns: dict, dest: np.ndarray, n
     np.save(folder / f"{name}.offsets.npy", np.concatenate([[0], np.cumsum(counts)]))
 
 
-def read_part(folder: Path, name: str, part: int, columns: Sequence[str]) -> dict:
-    """Partition `part` of a `save_partitioned` table, read through memory maps."""
+def read_part(
+    folder: Path, name: str, part: int, columns: Sequence[str], stop: int | None = None
+) -> dict:
+    """Partition `part` (to `stop`, if given: partitions part..stop-1) of a `save_partitioned`
+    table, read through memory maps."""
     offsets = np.load(folder / f"{name}.offsets.npy")
+    stop = part + 1 if stop is None else stop
     out = {}
     for column in columns:
         data = np.load(folder / f"{name}.{column}.npy", mmap_mode="r")
-        out[column] = np.array(data[offsets[part] : offsets[part + 1]])
+        out[column] = np.array(data[offsets[part] : offsets[stop]])
     return out
 
 
@@ -78,7 +82,15 @@ def remove_stale(out: Path) -> int:
 
 
 def peak_rss_gb() -> float:
-    """The process's peak resident memory (a worker's over the tasks it ran so far)."""
+    """The process's peak resident memory (a worker's over the tasks it ran so far). Linux's
+    VmHWM, not ru_maxrss: that one survives exec, so a spawned worker's starts at its parent's."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:  # not Linux
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 

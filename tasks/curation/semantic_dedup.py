@@ -50,6 +50,8 @@ MISS_SAMPLE = 2000  # rows at risk searched for a missed duplicate (`estimate_mi
 SAMPLE_BLOCK = 2048  # of those rows, compared with a cluster's block at once
 KMEANS_ITERS = 10
 QUERY_BLOCK, REF_BLOCK = 256, 4096  # rows per similarity block
+ASSIGN_ROWS = 16384  # rows given their clusters at once
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,94 @@ def kmeans(
 
 
 @dataclass(frozen=True, slots=True)
+class Centroids:
+    """k-means centroids of unit rows less `center` (the sample's mean): the clusters. Given the
+    same centroids, the one-node and partitioned paths make the same decisions."""
+
+    centroids: torch.Tensor  # float32 [k, D]
+    center: torch.Tensor  # float32 [D]
+
+
+def unit(emb: np.ndarray, device: torch.device) -> torch.Tensor:
+    return F.normalize(torch.from_numpy(emb).to(device).float(), dim=1)
+
+
+def fit_centroids(
+    parts: Parts,
+    k: int,
+    dtype: torch.dtype,
+    rng: np.random.Generator,
+    generator: torch.Generator,
+    device: torch.device | None = None,
+) -> Centroids:
+    """k-means on a sample of SAMPLE_PER_CLUSTER rows per centroid, drawn from whole parts read
+    in random order. Clustered after subtracting the mean: every CLIP embedding shares a
+    direction, and unshifted, a centroid near it is second-nearest to most rows (a hub every row
+    visits). A shift keeps distances, so the bisector reach of `assign` still holds."""
+    want = min(parts.num_rows, k * SAMPLE_PER_CLUSTER)
+    sample, have = [], 0
+    for i in rng.permutation(len(parts.readers)):
+        _, emb = parts.readers[i]()
+        sample.append(emb)
+        have += len(emb)
+        if have >= 2 * want:
+            break
+    sample = np.concatenate(sample)
+    sample = unit(sample[rng.choice(len(sample), want, replace=False)], device or CPU)
+    center = sample.mean(0)
+    return Centroids(kmeans(sample - center, k, dtype, generator), center)
+
+
+def visitor_caps(primaries: np.ndarray, num_rows: int, num_clusters: int) -> np.ndarray:
+    """The most visitors each cluster takes (those nearest its border): VISITOR_SHARE x its own
+    rows (`primaries`) or the mean cluster's. A centroid in the middle of the cloud is in reach
+    of a large share of all rows (a hub): comparing them all there is quadratic."""
+    return VISITOR_SHARE * np.maximum(primaries, num_rows // num_clusters)
+
+
+def assign(
+    y: torch.Tensor, centroids: torch.Tensor, reach: float, max_visits: int, between=None
+) -> tuple[torch.Tensor, ...]:
+    """(nearest cluster [b], visited clusters or -1 [b, m], distance to their bisectors [b, m],
+    at risk [b] or None) of rows `y` (unit, less the center). A row y of cluster B also visits
+    the next-nearest centroids A whose cell lies within `reach` = sqrt(2 - 2 t) of it (its
+    distance to the bisector of cA and cB): a duplicate x of y in A's cell would be that close,
+    as the segment x-y crosses the bisector. `between` (centroid distances [k, k]) given, the
+    rows with an unvisited centroid within reach are flagged at risk."""
+    k = len(centroids)
+    every = _scores(y, centroids, torch.float32)
+    # topk breaks exact ties (equal centroids) by its k: the one past the visits,
+    # which the layout was first drawn with, keeps it as it was.
+    past = min(k, 2 + max_visits)
+    scores, nearest = (t[:, : 1 + max_visits] for t in every.topk(past))
+    # y's distance to the bisector of cA, cB: (|y-cA|^2 - |y-cB|^2) / 2|cA-cB|.
+    apart = (centroids[nearest[:, 1:]] - centroids[nearest[:, :1]]).norm(dim=2)
+    to_bisector = (scores[:, :1] - scores[:, 1:]) / apart.clamp_min(1e-6)
+    visited = torch.where(to_bisector <= reach, nearest[:, 1:], -1)
+    far = None
+    if between is not None:
+        far = _unvisited_in_reach(every, between[nearest[:, 0]], nearest[:, 0], visited, reach)
+        far = far.any(1)
+    return nearest[:, 0], visited, to_bisector, far
+
+
+def _unvisited_in_reach(
+    scores: torch.Tensor,
+    apart: torch.Tensor,
+    primary: torch.Tensor,
+    visited: torch.Tensor,
+    reach: float,
+) -> torch.Tensor:
+    """[b, k] bool: the centroids within reach of each row (bisector distance, as `assign`;
+    `apart`: its own centroid's distance to each, overwritten) that are neither its own
+    (`primary` [b]) nor one it visits (`visited` [b, m], -1: none)."""
+    own = scores.gather(1, primary[:, None])
+    near = own - scores <= apart.mul_(reach)
+    mine = torch.cat([primary[:, None], torch.where(visited >= 0, visited, primary[:, None])], 1)
+    return near.scatter_(1, mine, False)
+
+
+@dataclass(frozen=True, slots=True)
 class Missed:
     """Of `sampled` rows at risk (`SemanticIndex.beyond_visits`), `missed_sample` had a
     duplicate they were never compared with: ~`estimated` such rows in all."""
@@ -152,12 +242,16 @@ class SemanticIndex:
         workdir: Path | None = None,
         seed: int = 0,
         miss_sample: int = MISS_SAMPLE,
+        centroids: Centroids | None = None,
     ):
+        """`centroids` given: these clusters (`num_clusters` is theirs), no k-means."""
         n = parts.num_rows
         self.parts, self.threshold = parts, threshold
         self.device = torch.device(device or "cpu")
         self.dtype, self.margin = screen(self.device)
         self.num_clusters = min(n, num_clusters or num_clusters_for(n)) or 1
+        if centroids is not None:
+            self.num_clusters = len(centroids.centroids)
         order = np.argsort(rank, kind="stable")
         dense_rank = np.empty(n, np.int64)
         dense_rank[order] = np.arange(n)
@@ -168,7 +262,7 @@ class SemanticIndex:
         self.beyond_visits = 0
         self.risk_sample = np.zeros(0, np.int64)
         self.centroids: torch.Tensor | None = None
-        primary, visits = self._assign(seed, miss_sample)
+        primary, visits = self._assign(seed, miss_sample, centroids)
         # Slots: one per (cluster, row) entry, ordered by cluster, then rank.
         visitor_row, visit = np.nonzero(visits >= 0)
         cluster = np.concatenate([primary, visits[visitor_row, visit]]).astype(np.int64)
@@ -200,14 +294,14 @@ class SemanticIndex:
         self.alone: np.ndarray | None = None  # rows without a better duplicate among all
 
     def _unit(self, emb: np.ndarray) -> torch.Tensor:
-        return F.normalize(torch.from_numpy(emb).to(self.device).float(), dim=1)
+        return unit(emb, self.device)
 
-    def _assign(self, seed: int, miss_sample: int) -> tuple[np.ndarray, np.ndarray]:
-        """(nearest cluster [N], visited clusters or -1 [N, max_visits]). A row y of cluster B
-        also visits the next-nearest centroids A whose cell lies within sqrt(2 - 2 t) of it
-        (its distance to the bisector of cA and cB): a duplicate x of y in A's cell would be
-        that close, as the segment x-y crosses the bisector. With every such A visited no
-        pair is missed; `max_visits` caps them (SemDeDup visits none)."""
+    def _assign(
+        self, seed: int, miss_sample: int, given: Centroids | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(nearest cluster [N], visited clusters or -1 [N, max_visits]), as `assign` puts
+        them. With every centroid in reach visited no pair is missed; `max_visits` caps them
+        (SemDeDup visits none), and so does each cluster's `visitor_caps`."""
         n, k = self.parts.num_rows, self.num_clusters
         primary = np.zeros(n, np.int32)
         visits = np.full((n, self.max_visits), -1, np.int32)
@@ -216,55 +310,32 @@ class SemanticIndex:
         gap = np.full((n, self.max_visits), np.inf, np.float32)  # distance to the bisector
         generator = torch.Generator().manual_seed(seed)
         rng = np.random.default_rng(seed)
-        want = min(n, k * SAMPLE_PER_CLUSTER)
-        sample, have = [], 0
-        for i in rng.permutation(len(self.parts.readers)):  # whole parts, in random order
-            _, emb = self.parts.readers[i]()
-            sample.append(emb)
-            have += len(emb)
-            if have >= 2 * want:
-                break
-        sample = np.concatenate(sample)
-        sample = self._unit(sample[rng.choice(len(sample), want, replace=False)])
-        # Clustered after subtracting the mean: every CLIP embedding shares a direction, and
-        # unshifted, a centroid near it is second-nearest to most rows (a hub every row
-        # visits). A shift keeps distances, so the bisector reach below still holds.
-        center = sample.mean(0)
-        centroids = kmeans(sample - center, k, self.dtype, generator)
+        if given is None:
+            given = fit_centroids(self.parts, k, self.dtype, rng, generator, self.device)
+        centroids, center = given.centroids.to(self.device), given.center.to(self.device)
         self.centroids, self.center = centroids, center
         self.reach = reach = math.sqrt(max(0.0, 2 - 2 * self.threshold))
         between = torch.cdist(centroids, centroids)  # k x k: 4 N bytes, as k ~ sqrt(N)
         at_risk = np.zeros(n, bool)
         for read in self.parts.readers:
             rows, emb = read()
-            for start in range(0, len(rows), 16384):
-                y = self._unit(emb[start : start + 16384]) - center
-                every = _scores(y, centroids, torch.float32)
-                # topk breaks exact ties (equal centroids) by its k: the one past the visits,
-                # which the layout was first drawn with, keeps it as it was.
-                past = min(k, 2 + self.max_visits)
-                scores, nearest = (t[:, : 1 + self.max_visits] for t in every.topk(past))
-                # y's distance to the bisector of cA, cB: (|y-cA|^2 - |y-cB|^2) / 2|cA-cB|.
-                apart = (centroids[nearest[:, 1:]] - centroids[nearest[:, :1]]).norm(dim=2)
-                to_bisector = (scores[:, :1] - scores[:, 1:]) / apart.clamp_min(1e-6)
-                visited = torch.where(to_bisector <= reach, nearest[:, 1:], -1)
-                chunk = rows[start : start + 16384]
-                far = self._unvisited_in_reach(
-                    every, between[nearest[:, 0]], nearest[:, 0], visited
+            for start in range(0, len(rows), ASSIGN_ROWS):
+                y = self._unit(emb[start : start + ASSIGN_ROWS]) - center
+                nearest, visited, to_bisector, far = assign(
+                    y, centroids, reach, self.max_visits, between
                 )
-                at_risk[chunk] = far.any(1).cpu().numpy()
-                primary[chunk] = nearest[:, 0].cpu().numpy()
+                chunk = rows[start : start + ASSIGN_ROWS]
+                at_risk[chunk] = far.cpu().numpy()
+                primary[chunk] = nearest.cpu().numpy()
                 visits[chunk] = visited.cpu().numpy()
                 gap[chunk] = to_bisector.cpu().numpy()
-        # A centroid in the middle of the cloud is in reach of a large share of all rows (a
-        # hub): comparing them all there is quadratic. Each cluster takes the visitors
-        # nearest its border, at most VISITOR_SHARE x its own rows (or the mean cluster's).
+        # Each cluster takes the visitors nearest its border, up to its cap (ties: by row).
         row, visit = np.nonzero(visits >= 0)
         cluster = visits[row, visit].astype(np.int64)
         order = np.lexsort((gap[row, visit], cluster))
         cluster = cluster[order]
         place = np.arange(len(order)) - np.searchsorted(cluster, cluster)
-        cap = VISITOR_SHARE * np.maximum(np.bincount(primary, minlength=k), n // k)
+        cap = visitor_caps(np.bincount(primary, minlength=k), n, k)
         cut = order[place >= cap[cluster]]
         visits[row[cut], visit[cut]] = -1
         at_risk[row[cut]] = True
@@ -272,23 +343,6 @@ class SemanticIndex:
         risky = np.flatnonzero(at_risk)
         self.risk_sample = np.sort(rng.choice(risky, min(miss_sample, len(risky)), replace=False))
         return primary, visits
-
-    def _unvisited_in_reach(
-        self,
-        scores: torch.Tensor,
-        apart: torch.Tensor,
-        primary: torch.Tensor,
-        visited: torch.Tensor,
-    ) -> torch.Tensor:
-        """[b, k] bool: the centroids within reach of each row (bisector distance, as `_assign`;
-        `apart`: its own centroid's distance to each, overwritten) that are neither its own
-        (`primary` [b]) nor one it visits (`visited` [b, m], -1: none)."""
-        own = scores.gather(1, primary[:, None])
-        near = own - scores <= apart.mul_(self.reach)
-        mine = torch.cat(
-            [primary[:, None], torch.where(visited >= 0, visited, primary[:, None])], 1
-        )
-        return near.scatter_(1, mine, False)
 
     def clusters_of(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), 1 + m]: each row's own cluster, then those it visits (-1: none)."""
@@ -312,7 +366,7 @@ class SemanticIndex:
         visited = torch.from_numpy(mine[:, 1:].astype(np.int64)).to(self.device)
         apart = torch.cdist(self.centroids[primary], self.centroids)
         scores = _scores(y, self.centroids, torch.float32)
-        far = self._unvisited_in_reach(scores, apart, primary, visited)
+        far = _unvisited_in_reach(scores, apart, primary, visited, self.reach)
         query, cluster = (t.cpu().numpy() for t in far.nonzero(as_tuple=True))
         missed = np.zeros(len(rows), bool)
         for c in np.unique(cluster):
@@ -387,54 +441,82 @@ class SemanticIndex:
         visit may be the only one where two rows near a boundary meet."""
         start, stop = self.offsets[c], self.offsets[c + 1]
         rows = self.slot_row[start:stop]
-        row_state = state[rows]
-        queries = np.flatnonzero(row_state == UNDECIDED)
-        refs = np.flatnonzero(row_state <= SURVIVES)  # undecided or surviving
-        if not len(queries) or refs[0] >= queries[-1]:
-            return
-        raw = torch.from_numpy(np.array(self.store[start:stop])).to(self.device)
-        low = F.normalize(raw.float(), dim=1).to(self.dtype)
-        survives = torch.from_numpy(row_state == SURVIVES).to(self.device)
-        to_survivor, to_undecided = self._sweep(raw, low, survives, queries, refs)
+        to_survivor, to_undecided = flag_duplicates(
+            self.store[start:stop],
+            state[rows],
+            self.threshold,
+            self.margin,
+            self.dtype,
+            self.device,
+        )
         has_survivor[rows[to_survivor]] = True
         has_undecided[rows[to_undecided]] = True
 
-    def _sweep(
-        self,
-        raw: torch.Tensor,
-        low: torch.Tensor,
-        survives: torch.Tensor,
-        queries: np.ndarray,
-        refs: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(queries with a better duplicate among `refs` that survives, that is undecided):
-        positions in the cluster. A query stops at its first such duplicate (more would not
-        change this round). Pairs are screened in low precision, confirmed in float64."""
-        cut = self.threshold - self.margin
-        to_survivor, to_undecided = [], []
-        for q0 in range(0, len(queries), QUERY_BLOCK):
-            active = torch.from_numpy(queries[q0 : q0 + QUERY_BLOCK]).to(self.device)
-            better = refs[refs < queries[min(q0 + QUERY_BLOCK, len(queries)) - 1]]
-            for r0 in range(0, len(better), REF_BLOCK):
-                if not len(active):
-                    break
-                ref = torch.from_numpy(better[r0 : r0 + REF_BLOCK]).to(self.device)
-                before = ref[None, :] < active[:, None]
-                near = ((low[active] @ low[ref].T).float() >= cut) & before
-                some = near.any(1)
-                if not some.any():
-                    continue
-                q, cols = active[some], near[some].any(0)
-                r = ref[cols]
-                exact_q = F.normalize(raw[q].double(), dim=1)
-                exact_r = F.normalize(raw[r].double(), dim=1)
-                hit = ((exact_q @ exact_r.T) >= self.threshold) & before[some][:, cols]
-                surviving = (hit & survives[r][None, :]).any(1)
-                waiting = (hit & ~survives[r][None, :]).any(1)
-                to_survivor.append(q[surviving].cpu().numpy())
-                to_undecided.append(q[waiting].cpu().numpy())
-                settled = torch.zeros(len(active), dtype=torch.bool, device=self.device)
-                settled[some.nonzero().flatten()[surviving | waiting]] = True
-                active = active[~settled]
-        empty = np.zeros(0, np.int64)
-        return np.concatenate([empty, *to_survivor]), np.concatenate([empty, *to_undecided])
+
+def flag_duplicates(
+    store: np.ndarray,
+    row_state: np.ndarray,
+    threshold: float,
+    margin: float,
+    dtype: torch.dtype,
+    device: torch.device,
+    split: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(positions of the undecided rows of `store` (fp16 [n, D], rows in rank order; states
+    `row_state` [n]) with a better-placed duplicate that survives, that is undecided). `split`
+    given (a block pair of a split cluster: better block, then worse), queries are only at or
+    past it and their duplicates only before it."""
+    queries = np.flatnonzero(row_state == UNDECIDED)
+    refs = np.flatnonzero(row_state <= SURVIVES)  # undecided or surviving
+    if split is not None:
+        queries, refs = queries[queries >= split], refs[refs < split]
+    empty = np.zeros(0, np.int64)
+    if not len(queries) or not len(refs) or refs[0] >= queries[-1]:
+        return empty, empty
+    raw = torch.from_numpy(np.array(store)).to(device)
+    low = F.normalize(raw.float(), dim=1).to(dtype)
+    survives = torch.from_numpy(row_state == SURVIVES).to(device)
+    return _sweep(raw, low, survives, queries, refs, threshold, margin, device)
+
+
+def _sweep(
+    raw: torch.Tensor,
+    low: torch.Tensor,
+    survives: torch.Tensor,
+    queries: np.ndarray,
+    refs: np.ndarray,
+    threshold: float,
+    margin: float,
+    device: torch.device,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(queries with a better duplicate among `refs` that survives, that is undecided):
+    positions in the cluster. A query stops at its first such duplicate (more would not
+    change this round). Pairs are screened in low precision, confirmed in float64."""
+    cut = threshold - margin
+    to_survivor, to_undecided = [], []
+    for q0 in range(0, len(queries), QUERY_BLOCK):
+        active = torch.from_numpy(queries[q0 : q0 + QUERY_BLOCK]).to(device)
+        better = refs[refs < queries[min(q0 + QUERY_BLOCK, len(queries)) - 1]]
+        for r0 in range(0, len(better), REF_BLOCK):
+            if not len(active):
+                break
+            ref = torch.from_numpy(better[r0 : r0 + REF_BLOCK]).to(device)
+            before = ref[None, :] < active[:, None]
+            near = ((low[active] @ low[ref].T).float() >= cut) & before
+            some = near.any(1)
+            if not some.any():
+                continue
+            q, cols = active[some], near[some].any(0)
+            r = ref[cols]
+            exact_q = F.normalize(raw[q].double(), dim=1)
+            exact_r = F.normalize(raw[r].double(), dim=1)
+            hit = ((exact_q @ exact_r.T) >= threshold) & before[some][:, cols]
+            surviving = (hit & survives[r][None, :]).any(1)
+            waiting = (hit & ~survives[r][None, :]).any(1)
+            to_survivor.append(q[surviving].cpu().numpy())
+            to_undecided.append(q[waiting].cpu().numpy())
+            settled = torch.zeros(len(active), dtype=torch.bool, device=device)
+            settled[some.nonzero().flatten()[surviving | waiting]] = True
+            active = active[~settled]
+    empty = np.zeros(0, np.int64)
+    return np.concatenate([empty, *to_survivor]), np.concatenate([empty, *to_undecided])

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from catalog import Catalog
 from sdtrain.atomic import atomic_path
 from tasks.curation import filter as filter_stage
+from tasks.curation import filter_pixels
 from tasks.runtime.shards import ShardStats, run_shard, stats_path
 
 STAGE = "views"
@@ -66,7 +67,7 @@ def build_view(root: Path, catalog: Catalog, dataset: str) -> ShardStats:
 
     def work(stats: ShardStats) -> None:
         con = filter_stage.connect(root)
-        filter_stage.pixel_rows(con, root, ds.source, profile, scored=scored, selected_only=True)
+        filter_pixels.pixel_rows(con, root, ds.source, profile, scored=scored, selected_only=True)
         wf = filter_stage.judge(
             con,
             profile,

@@ -35,33 +35,37 @@ def _pool_without_padding(x: torch.Tensor) -> torch.Tensor:
     return F.avg_pool2d(x, kernel_size=3, stride=1, padding=1, count_include_pad=False)
 
 
+def _max_pool(x: torch.Tensor) -> torch.Tensor:
+    return F.max_pool2d(x, kernel_size=3, stride=1, padding=1)
+
+
+class _TFPooling:
+    """Put before a torchvision Inception block: its pooling branch pooled as the TF graph
+    pools it (`tf_pool`), the other branches its own."""
+
+    tf_pool = staticmethod(_pool_without_padding)
+
+    def _forward(self, x):
+        out = super()._forward(x)
+        out[-1] = self.branch_pool(self.tf_pool(x))
+        return out
+
+
 # The TF graph's blocks: torchvision's, with the pooling branch pooled as TF pools it.
-class _InceptionA(tv.InceptionA):
-    def _forward(self, x):
-        out = super()._forward(x)
-        out[-1] = self.branch_pool(_pool_without_padding(x))
-        return out
+class _InceptionA(_TFPooling, tv.InceptionA):
+    pass
 
 
-class _InceptionC(tv.InceptionC):
-    def _forward(self, x):
-        out = super()._forward(x)
-        out[-1] = self.branch_pool(_pool_without_padding(x))
-        return out
+class _InceptionC(_TFPooling, tv.InceptionC):
+    pass
 
 
-class _InceptionE1(tv.InceptionE):
-    def _forward(self, x):
-        out = super()._forward(x)
-        out[-1] = self.branch_pool(_pool_without_padding(x))
-        return out
+class _InceptionE1(_TFPooling, tv.InceptionE):
+    pass
 
 
-class _InceptionE2(tv.InceptionE):
-    def _forward(self, x):
-        out = super()._forward(x)
-        out[-1] = self.branch_pool(F.max_pool2d(x, kernel_size=3, stride=1, padding=1))
-        return out
+class _InceptionE2(_TFPooling, tv.InceptionE):
+    tf_pool = staticmethod(_max_pool)  # the last block max-pools
 
 
 def fid_inception(*, init_weights: bool = False) -> tv.Inception3:

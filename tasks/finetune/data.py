@@ -30,7 +30,7 @@ import torch
 
 from catalog import Finetune, load_catalog
 from sdtrain.atomic import TMP_MARK, replace_dir, write_json_atomic
-from sdtrain.config import FinetuneSettings, TrainConfig
+from sdtrain.config import FinetuneSettings, TrainConfig, run_config
 from sdtrain.models import build_tokenizer, tokenize
 from sdtrain.weights import WeightsNotFound, is_diffusers_folder, resolve_weights
 from tasks.latents import images
@@ -38,8 +38,6 @@ from tasks.latents import images
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 DATA = "data"
 CLASS_IMAGES = "class-images"
-# Fine-tunes run for their `steps`; epochs only bound the loader (a few images, many steps).
-EPOCHS_BOUND = 1_000_000
 
 
 class FinetuneError(Exception):
@@ -381,40 +379,19 @@ def settings_for(spec: Finetune, base: Base) -> FinetuneSettings:
 
 def train_config(root: Path, spec: Finetune, base: Base, run_name: str) -> TrainConfig:
     """The run config of a fine-tune: seed 001's optimizer settings unless the entry says."""
-    run = run_dir(root, spec.name, run_name)
     instance_prompt, class_prompt = prompts(spec)
     sample_prompts = spec.sample_prompts or (
         (instance_prompt, class_prompt) if spec.mode == "dreambooth" else (spec.prompt,)
     )
-    return TrainConfig(
-        phase=f"{spec.name}/{run_name}",
-        phase_dir=str(finetune_dir(root, spec.name) / DATA),
-        run_dir=str(run),
+    return run_config(
+        spec,
+        name=f"{spec.name}/{run_name}",
+        phase_dir=finetune_dir(root, spec.name) / DATA,
+        run_dir=run_dir(root, spec.name, run_name),
         model=base.model,
-        seed=spec.seed,
-        lr=spec.lr,
-        lr_schedule=spec.lr_schedule,
-        warmup_steps=spec.warmup_steps,
-        epochs=EPOCHS_BOUND,
-        max_steps=spec.steps,
-        batch_size=spec.batch_size,
-        max_grad_norm=spec.max_grad_norm,
         prediction_type=base.prediction_type,
-        cfg_dropout=0.0,
-        min_snr_gamma=0.0,  # unused: fine-tunes take the plain MSE
-        ema_decay=0.0,
-        ema_carry=False,
-        num_val_samples=0,
-        checkpoint_every=spec.checkpoint_every,
-        keep_every=0,
-        validate_every=0,
-        log_every=spec.log_every,
-        sample_every=spec.sample_every,
         sample_prompts=tuple(sample_prompts),
         negative_prompt=base.negative_prompt,
-        sample_steps=spec.sample_steps,
-        channels_last=spec.channels_last,
-        gradient_checkpointing=spec.gradient_checkpointing,
         finetune=settings_for(spec, base),
     )
 

@@ -6,7 +6,8 @@ its own seeded stream, so editing one entry does not reshuffle the others; a dat
 than its share fails the phase unless the phase allows it (`allow_short`). The phase folder is
 built under a hidden temporary name and swapped into place, so a reader never sees half a phase
 set; while the phase's run has checkpoints, its phase set is kept as it is (a resume trains on
-the rows it started on).
+the rows it started on), or as a removal re-linked it without its rows: the run then resumes on
+that set (the report's `remixed`, the trainer's `resume_remixed`: a new lineage segment).
 
 Everything per sample is an Arrow or numpy column: the encoded keys are read from each shard's
 keys file (`tasks.latents.latent_keys`), joined with the view one shard at a time, drawn by one
@@ -35,8 +36,12 @@ import numpy as np
 from catalog import Catalog, Phase
 from sdtrain import captions, fingerprints, layout
 from sdtrain.atomic import TMP_MARK, clean_temporaries, replace_dir
+from sdtrain.checkpoint import CheckpointDir, KeepPolicy
 from tasks.phases.mix_read import EncodedView, MixError, dataset_view
 from tasks.phases.mix_write import ManifestWriter, RowIndex, link_files
+from tasks.removal import phase_sets
+
+NO_PRUNING = KeepPolicy(checkpoint_every=0, keep_every=0)  # mix only reads the checkpoints
 
 
 def draw_counts(phase: Phase, available: dict[str, int]) -> list[dict]:
@@ -108,12 +113,23 @@ def run_has_checkpoints(root: Path, phase: str) -> bool:
     return checkpoints.is_dir() and any(checkpoints.glob("step-*"))
 
 
+def resume_checkpoint(root: Path, phase: str) -> Path | None:
+    """The checkpoint the phase's run resumes from: `latest`, else its newest step folder."""
+    checkpoints = CheckpointDir(root / "runs" / phase / "checkpoints", NO_PRUNING)
+    steps = checkpoints.steps()
+    return checkpoints.latest() or (checkpoints.step_dir(steps[-1]) if steps else None)
+
+
 def phase_set_for_run(root: Path, catalog: Catalog, phase: Phase) -> dict:
     """The phase set the phase's run trains on: the existing one while the run has checkpoints
     (a resume must see the rows it started on) and its sources are as it was mixed from (else
-    MixError naming the changed file), else a fresh `build_phase_set`."""
+    MixError naming the changed file), else a fresh `build_phase_set`. A set a removal re-linked
+    since the checkpoint was written is resumed on: `remixed` names the removals (else [])."""
     existing = root / "phases" / phase.name
     if run_has_checkpoints(root, phase.name) and (existing / "manifest.parquet").is_file():
+        checkpoint = resume_checkpoint(root, phase.name)
+        if (refused := phase_sets.refusal(existing, phase.name, checkpoint)) is not None:
+            raise MixError(refused)  # re-linked, and no resume can say what the run saw
         try:  # its sources still hold their rows where the set reads them
             fingerprints.check(existing)
         except fingerprints.StalePhaseSet as e:
@@ -122,8 +138,8 @@ def phase_set_for_run(root: Path, catalog: Catalog, phase: Phase) -> dict:
         if phase.train_time_captions and not (existing / captions.CAPTIONS).is_file():
             # The phase turned train-time captions on since: the same rows, their text added.
             captions.write_captions(existing, root=root)
-        return {**report, "reused": True}
-    return {**build_phase_set(root, catalog, phase), "reused": False}
+        return {**report, "reused": True, "remixed": phase_sets.crossed(existing, checkpoint)}
+    return {**build_phase_set(root, catalog, phase), "reused": False, "remixed": []}
 
 
 def draw(phase: Phase, dataset: str, num_rows: int, taken: int) -> np.ndarray:

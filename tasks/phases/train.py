@@ -49,10 +49,22 @@ def on_nodes(nodes: int, cluster: str) -> bool:
 
 
 def train_config_for_phase(
-    phase: Phase, *, phase_dir: str | Path, run_dir: str | Path, init_from: str | Path = ""
+    phase: Phase,
+    *,
+    phase_dir: str | Path,
+    run_dir: str | Path,
+    init_from: str | Path = "",
+    resume_remixed: bool = False,
 ) -> TrainConfig:
-    """The run config of a catalog phase: the base config with the phase's settings."""
-    return run_config_for_phase(phase, phase_dir=phase_dir, run_dir=run_dir, init_from=init_from)
+    """The run config of a catalog phase: the base config with the phase's settings;
+    `resume_remixed`: its checkpoint resumes on the set a removal re-linked (mix's `remixed`)."""
+    return run_config_for_phase(
+        phase,
+        phase_dir=phase_dir,
+        run_dir=run_dir,
+        init_from=init_from,
+        resume_remixed=resume_remixed,
+    )
 
 
 def launch_training(

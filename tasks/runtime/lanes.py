@@ -33,10 +33,7 @@ class Lanes:
     ):
         """`eager`: start every worker process now, not at its first request. `slots`: the
         node's process slots, under which its workers live (None: as many as `num_workers`)."""
-        self.eager, self.slots = eager, slots
-        # Slots are shared out per pool: a kind's idle pool of one size must not keep its
-        # slots from the same kind's pool of another size (a fetch pool of 1 and one of 2).
-        self.kind = f"{name}/{num_workers}"
+        self.eager, self.slots, self.kind = eager, slots, name
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0  # requests queued, not taken by a lane yet
         self.closing = False

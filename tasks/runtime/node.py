@@ -152,6 +152,15 @@ class Node:
         return f"Node(workers={self.workers}, devices={self.devices})"
 
     def pool(self, kind: str, size: int, build: Callable[[int, Slots], P]) -> P:
+        """A kind has one pool per node: asked for another size (a setting changed between
+        runs of a long-lived process), the older one finishes its queued work and closes
+        first, else its idle workers would hold the slots the new one waits for."""
+        with self._lock:
+            if (kind, size) in self._pools:
+                return self._pools[(kind, size)]
+            older = [self._pools.pop(k) for k in list(self._pools) if k[0] == kind]
+        for pool in older:
+            pool.close()
         with self._lock:
             if (kind, size) not in self._pools:
                 self._pools[(kind, size)] = build(size, self.slots)

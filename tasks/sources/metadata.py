@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from catalog import Source
 from sdtrain.atomic import atomic_path
+from tasks.removal import lists
 from tasks.runtime.shards import ShardStats, run_shard, shard_name
 from tasks.sources import demo_source
 from tasks.sources.table import SourceError, write_table
@@ -240,7 +241,8 @@ def drop_blocked(table: pa.Table, blocked: tuple[pa.Array, pa.Array]) -> tuple[p
 
 
 def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) -> ShardStats:
-    """One upstream metadata file -> `metadata/NNNNN.parquet`, minus the blocklisted rows."""
+    """One upstream metadata file -> `metadata/NNNNN.parquet`, minus the blocklisted rows (the
+    catalog's `blocklist`, counted `blocklist`; the data root's removals, counted `removed`)."""
     shard = shard_name(index)
     out = root / source.name / STAGE / f"{shard}.parquet"
 
@@ -260,6 +262,12 @@ def fetch_metadata_shard(root: Path, source: Source, index: int, location: str) 
             table, removed = drop_blocked(table, blocked)
             if removed:
                 stats.drop("blocklist", removed)
+        taken_back = lists.read_blocklist(root, source.name)  # `sdpipe remove`'s, kept here
+        if taken_back.num_rows:
+            drop = lists.blocked_rows(table, taken_back)
+            if drop.any():
+                table = _without(table, drop)
+                stats.drop("removed", int(drop.sum()))
         with atomic_path(out) as tmp:
             write_table(table, tmp)
         stats.num_out = table.num_rows

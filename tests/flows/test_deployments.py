@@ -1,5 +1,6 @@
-"""prefect.yaml declares one deployment per catalog source, phase (curriculum and eval) and
-fine-tune, and generate/default, for the sdpipe pool; only the demo's run offline."""
+"""prefect.yaml declares one deployment per catalog source (build-latents and remove), phase
+(curriculum and eval) and fine-tune, and generate/default, for the sdpipe pool; only the
+demo's run offline."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def test_every_source_and_phase_is_deployed():
             "flows/generate.py:generate": "generate",
             "flows/finetune.py:finetune": "finetune",
             "flows/evaluate.py:evaluate_phase": "eval",
+            "flows/remove.py:remove": "remove",
         }[d["entrypoint"]]
         by_flow.setdefault(flow, set()).add(d["name"])
         assert d["work_pool"]["name"] == WORK_POOL
@@ -36,6 +38,7 @@ def test_every_source_and_phase_is_deployed():
             "curriculum": {"phase": d["name"]},
             "finetune": {"name": d["name"]},
             "eval": {"phase": d["name"]},
+            "remove": {"source": d["name"]},
         }
         assert d["parameters"] == names.get(flow, {})
     assert by_flow["build-latents"] == set(catalog.sources)
@@ -44,6 +47,7 @@ def test_every_source_and_phase_is_deployed():
     assert by_flow["generate"] == {"default"}
     assert by_flow["finetune"] == set(catalog.finetunes)
     assert by_flow["eval"] == set(catalog.phases)
+    assert by_flow["remove"] == set(catalog.sources)
 
 
 def _is_demo(d: dict) -> bool:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from catalog import load_catalog
-from tasks.curation import filter
+from tasks.curation import filter, filter_pixels
 from tasks.latents import latent_keys, tokenize
 from tasks.sources import demo_source, fetch_images, metadata
 
@@ -59,7 +59,7 @@ def tokenized_root(tmp_path_factory, small_catalog) -> Path:
                 min_side=profile.min_side,
                 allow_private_hosts=src.allow_private_hosts,
             )
-    filter.select_pixels(root, "demo", profile)
+    filter_pixels.select_pixels(root, "demo", profile)
     for p in sorted((root / "demo" / "selected").glob("[0-9]*.parquet")):
         tokenize.tokenize_shard(root, "demo", p.stem)
     return root

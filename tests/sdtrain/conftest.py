@@ -11,7 +11,6 @@ flips on: the reference of the bucketed resume and DDP tests.
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import numpy as np
@@ -23,6 +22,7 @@ import torch
 from sdtrain import layout
 from sdtrain.config import TrainConfig
 from sdtrain.models import tokenize
+from tests.torch_threads import one_torch_thread
 
 NUM_ROWS_PER_SHARD = 16
 SHARDS = ("00000", "00001")
@@ -34,23 +34,10 @@ RUN = dict(
 )  # fmt: skip
 
 
-@contextlib.contextmanager
-def one_torch_thread():
-    """The tiny model gains nothing from intra-op threads, and on a loaded 2-core machine their
-    barriers stall a step 4-8x. Every run here uses one (ranks and subprocesses too): CPU
-    kernels split their sums by thread, so bitwise comparisons need the same count."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    with one_torch_thread():
-        yield
+def _every_module_on_one_torch_thread(one_torch_thread_per_module):
+    """Every test here runs on one torch thread (tests/torch_threads.py)."""
+    yield
 
 
 def caption(shard: str, i: int) -> str:

@@ -19,7 +19,7 @@ from sdtrain import layout
 from sdtrain.captions import CaptionSettings, TrainTimeCaptions, write_captions
 from tasks.latents.tokenize import tokens_table
 from tasks.phases import mix
-from tests.tasks.test_mix import (
+from tests.tasks.phases.test_mix import (
     SIZES,
     MixEntry,
     catalog,

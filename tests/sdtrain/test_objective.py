@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from catalog import CatalogError, load_catalog
 from catalog.loader import PACKAGED_DIR
-from sdtrain.config import TrainConfig, run_config_for_phase
+from sdtrain.config import TrainConfig, run_config, run_config_for_phase
 from sdtrain.data import EpochSampler, PhaseSet
 from sdtrain.ema import EMA
 from sdtrain.models import build_unet
@@ -219,6 +219,28 @@ def test_a_phase_run_config_is_the_base_with_the_phases_settings(tmp_path):
     )
     with pytest.raises(CatalogError, match="demo.prediction_type"):
         load_catalog(tmp_path / "c")
+
+
+def test_a_finetune_run_config_comes_from_the_same_builder():
+    # One builder for both (issue 34): the base run config, the entry's settings of the same
+    # names, what every fine-tune run is, and what the caller derives; nothing given twice.
+    spec = load_catalog(PACKAGED_DIR).finetunes["dog-lora"]
+    base = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    config = run_config(spec, name="dog-lora/a", phase_dir="d", run_dir="r", model="sd15")
+    assert (config.phase, config.model, config.lr, config.batch_size) == (
+        "dog-lora/a",
+        "sd15",
+        1e-4,
+        2,
+    )
+    assert (config.max_steps, config.lr_schedule, config.checkpoint_every) == (400, "constant", 100)
+    assert (config.ema_decay, config.num_val_samples, config.min_snr_gamma) == (0.0, 0, 0.0)
+    assert (config.adam_betas, config.sample_prompts) == (
+        base["adam_betas"],
+        base["sample_prompts"],
+    )
+    with pytest.raises(TypeError, match="multiple values for keyword argument 'lr'"):
+        run_config(spec, name="dog-lora/a", phase_dir="d", run_dir="r", model="sd15", lr=1.0)
 
 
 def test_wandb_is_imported_only_when_enabled(make_config, tmp_path, monkeypatch):

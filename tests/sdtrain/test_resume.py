@@ -28,8 +28,9 @@ from sdtrain.checkpoint import (
 )
 from sdtrain.data import BucketBatchSampler, EpochSampler
 from sdtrain.monitor import read_log
+from sdtrain.run_data import epoch_batches
 from sdtrain.runtime import build_optimizer, load_optimizer_state
-from sdtrain.train import TrainingInterrupted, epoch_batches, train
+from sdtrain.train import TrainingInterrupted, train
 
 from .conftest import bucket_latents, sigterm_at_draw, write_phase_set
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from sdtrain.bucket_batches import warm_up_batches
 from sdtrain.data import BucketBatchSampler, PhaseSet, collate, split_rows
 from sdtrain.monitor import read_log
-from tests.sdtrain.conftest import one_torch_thread
+from tests.torch_threads import one_torch_thread
 
 
 def logged(run_dir) -> list[dict]:

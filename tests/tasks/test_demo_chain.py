@@ -25,7 +25,7 @@ from catalog import buckets, load_catalog
 from catalog.loader import PACKAGED_DIR
 from sdtrain.atomic import TMP_MARK
 from tasks.curation import filter as filter_stage
-from tasks.curation import score
+from tasks.curation import filter_pixels, score
 from tasks.latents import encode, latent_keys, tokenize
 from tasks.runtime.shards import read_stats, summarize
 from tasks.sources import demo_source, fetch_images, metadata
@@ -57,7 +57,7 @@ def run_chain(root: Path, source, profile, model, scorer, spec: encode.LatentSpe
         list(pool.map(fetch, shards))
     for s in shards:
         score.score_shard(root, source.name, s, scorer, device="cpu")
-    filter_stage.select_pixels(root, source.name, profile, scored=True)
+    filter_pixels.select_pixels(root, source.name, profile, scored=True)
     for s in shards:
         tokenize.tokenize_shard(root, source.name, s)
     for s in shards:
@@ -249,7 +249,7 @@ def test_rerun_skips_every_stage_and_rewrites_nothing(chain):
         for s in chain.shards
     ]
     results += [score.score_shard(chain.root, chain.name, s, chain.scorer) for s in chain.shards]
-    results.append(filter_stage.select_pixels(chain.root, chain.name, chain.profile, scored=True))
+    results.append(filter_pixels.select_pixels(chain.root, chain.name, chain.profile, scored=True))
     results += [tokenize.tokenize_shard(chain.root, chain.name, s) for s in chain.shards]
     results += [
         encode.encode_shard(chain.root, chain.name, s, chain.model, spec=chain.spec)
