@@ -61,6 +61,14 @@ class Lanes:
             self.tasks.put(None)
         for t in self.threads:
             t.join()
+        # What no lane took (its lanes gave up waiting for a slot): cancelled, not left hanging.
+        while True:
+            try:
+                task = self.tasks.get_nowait()
+            except queue.Empty:
+                return
+            if task is not None:
+                task[0].cancel()
 
     def _start(self):
         raise NotImplementedError
@@ -104,7 +112,8 @@ class Lanes:
                             self.cond.wait()
                         if self.closing and not self.pending:
                             return
-                    slots.acquire(self.kind)
+                    if not slots.acquire(self.kind, give_up=lambda: self.closing):
+                        return
                     holding, idle_since = True, time.monotonic()
                     if first:
                         worker, first = self._first_worker(), False

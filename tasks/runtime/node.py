@@ -24,6 +24,7 @@ from tasks.runtime import concurrency
 
 EXTRA = 2  # processes over the budget, at most: one per kind of pool that holds none
 IDLE_S = 2.0  # an idle worker over its kind's floor share leaves to a kind below its share
+POLL_S = 0.2  # a pool waiting for a slot looks this often whether it is closing
 
 
 def local_gpus() -> int:
@@ -78,17 +79,22 @@ class Slots:
             return True
         return self.held[kind] == 0 and used < self.total + EXTRA
 
-    def acquire(self, kind: str) -> None:
+    def acquire(self, kind: str, give_up: Callable[[], bool] | None = None) -> bool:
+        """Wait for a slot of `kind`; False (none held) once `give_up()` says so (its pool
+        closes), looked at every POLL_S."""
         with self.cond:
             self.waiting[kind] += 1
             try:
                 while not self._grantable(kind):
-                    self.cond.wait()
+                    if give_up is not None and give_up():
+                        return False
+                    self.cond.wait(POLL_S)
             finally:
                 self.waiting[kind] -= 1
             self.held[kind] += 1
             self.peak = max(self.peak, sum(self.held.values()))
             self.cond.notify_all()  # the share of the kinds still waiting changed
+            return True
 
     def release(self, kind: str) -> None:
         with self.cond:

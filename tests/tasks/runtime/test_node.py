@@ -83,6 +83,21 @@ def test_overlapping_pools_stay_within_the_budget_and_all_finish(tmp_path):
     assert node.slots.in_use() == {}  # closed: every slot back
 
 
+def test_a_pool_closes_while_its_lanes_wait_for_slots():
+    """A pool whose lanes wait for slots other kinds hold still closes (its lanes give up)."""
+    node = Node(1)
+    for kind in ("a", "b", "c")[: 1 + EXTRA]:  # every slot held, by other kinds
+        node.slots.acquire(kind)
+    pool = images.shared_pool(node)
+    pending = pool.submit([], 8)  # a lane now waits for a slot
+    time.sleep(0.3)
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert pending.cancelled()  # not left waiting
+
+
 def test_a_pool_of_another_size_replaces_the_kinds_older_one():
     """A long-lived process whose setting changed between runs: the kind's older pool, its
     idle workers holding every slot, closes instead of leaving the new one waiting forever."""
