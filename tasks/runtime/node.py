@@ -188,19 +188,31 @@ class Node:
         return self.pool("call", n, CallPool).call(fn, *args, **kwargs)
 
 
-_nodes: dict[int, Node] = {}
+_nodes: dict[tuple[int, tuple[str, ...], str], Node] = {}
 _nodes_lock = threading.Lock()
 
 
 def local_node(workers: int | None = None) -> Node:
     """This process's node of budget `workers` (default: the process's setting, else its
     cores), built at first use and kept: what a stage function uses when no node is passed
-    (a test, a command run on its own), and what a flow run or a cluster agent builds."""
+    (a test, a command run on its own), and what a flow run or a cluster agent builds.
+
+    A node is kept under everything that defines it (budget, devices, GPU pool): a process
+    whose settings changed since (`SDPIPE_DEVICES` set for a later run) gets a node of its
+    settings, and the one of the same budget and older settings closes its pools first (they
+    would hold processes outside the new node's budget)."""
     budget = concurrency.workers(workers)
+    key = (budget, tuple(node_devices()), gpu_pool())
     with _nodes_lock:
-        if budget not in _nodes:
-            _nodes[budget] = Node(budget)
-        return _nodes[budget]
+        if key in _nodes:
+            return _nodes[key]
+        older = [_nodes.pop(k) for k in list(_nodes) if k[0] == budget]
+    for node in older:
+        node.close()
+    with _nodes_lock:
+        if key not in _nodes:
+            _nodes[key] = Node(budget, devices=list(key[1]))
+        return _nodes[key]
 
 
 @atexit.register

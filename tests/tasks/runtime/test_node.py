@@ -111,3 +111,20 @@ def test_a_pool_of_another_size_replaces_the_kinds_older_one():
         assert node.slots.in_use() == {"call": 1}
     finally:
         node.close()
+
+
+def test_a_process_whose_device_setting_changed_gets_a_node_of_its_settings(monkeypatch):
+    """A node built before `SDPIPE_DEVICES` was set (an earlier run in the same process) is not
+    handed to a later run that names two devices: that run's GPU stages would use one (CI saw
+    it: `devices cpu:0` with `SDPIPE_DEVICES=cpu,cpu`). The older node of that budget closes."""
+    from tasks.runtime.node import local_node
+
+    monkeypatch.delenv("SDPIPE_DEVICES", raising=False)
+    monkeypatch.setenv("SDPIPE_GPU_POOL", f"node-test-{os.getpid()}")
+    before = local_node(3)
+    assert local_node(3) is before
+    monkeypatch.setenv("SDPIPE_DEVICES", "cpu,cpu")
+    after = local_node(3)
+    assert after is not before
+    assert after.devices == ["cpu:0", "cpu:1"]
+    assert local_node(3) is after
