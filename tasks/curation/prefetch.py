@@ -163,8 +163,11 @@ def prefetch_dedup(root: Path, src: Source, profile: FilterProfile) -> ShardStat
     source, stage_dir = src.name, root / src.name / STAGE
 
     def work(stats: ShardStats) -> None:
-        notes = join_embeddings(root, src)
         files = [str(f) for f in _filtered(root, source)]
+        if not files:  # nothing passed the metadata filter: nothing to join or fetch
+            stats.extra = {"no_embedding": 0, "num_shards": 0}
+            return
+        notes = join_embeddings(root, src)
         emb = [str(p) for p in sorted((stage_dir / EMBEDDINGS).glob("[0-9]*.parquet"))]
         con = duck.connect(root)
         con.sql(
