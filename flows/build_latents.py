@@ -32,7 +32,7 @@ from flows.devices import read_ahead, warm_file
 from flows.executor import Executor, executor
 from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
-from tasks.curation import filter, filter_pixels, score, selection, views
+from tasks.curation import filter, filter_pixels, prefetch, score, selection, views
 from tasks.curation.score import ScoringWeightsError
 from tasks.latents import encode, hf_export, images, tokenize
 from tasks.runtime import concurrency, shards
@@ -41,7 +41,7 @@ from tasks.runtime.shards import read_stats, summarize
 from tasks.sources import adapters, demo_source, fetch_images, metadata
 from tasks.sources.table import SourceError
 
-STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
+STAGES = ("metadata", "filtered", "prefetch", "shards", "scores", "selected", "tokens", "latents")
 # Each stage bounds its own task runs (StageRun): the flow's pool only has to have a thread
 # for each, so its size is no limit (threads start on demand).
 TASK_THREADS = 1024
@@ -73,7 +73,11 @@ def source_summary(root: Path, source: str) -> dict[str, dict]:
     The score and (metadata) filter stages are listed only for sources that have them.
     """
     records = {stage: read_stats(root, source, stage) for stage in STAGES}
-    optional = (score.STAGE, "filtered")  # unscored sources; archive sources filter on pixels
+    optional = (
+        score.STAGE,
+        "filtered",
+        prefetch.STAGE,
+    )  # unscored sources; archive sources filter on pixels
     return {
         stage: summarize(stats)
         for stage, stats in records.items()
@@ -468,6 +472,8 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
     filtered_dir = root / name / "filtered"
     publish_waterfall(name, filtered_dir / "waterfall.json", filtered_dir / "gallery.html")
     shard_names = sorted(p.stem for p in filtered_dir.glob("[0-9]*.parquet"))
+    if before_fetch := prefetch.wanted(src, profile):  # duplicates found before any fetch
+        _prefetch_dedup(run, src, profile)
     server = (
         demo_source.serve_mirror(root / name / "mirror")
         if src.kind == "demo"
@@ -485,6 +491,7 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
                     image_size=src.resolution,
                     min_side=profile.min_side,
                     allow_private_hosts=src.allow_private_hosts,
+                    dropped=prefetch.dropped_path(root, name, s) if before_fetch else None,
                     **fetch_images.fetch_limits(src.options),
                 ),
             ),
@@ -494,6 +501,20 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
     }
     with server:
         return _fetch_then_score(run, units, scorer)
+
+
+def _prefetch_dedup(run: _Run, src: Source, profile) -> None:
+    """Semantic dedup on the source's published embeddings, one unit after the metadata
+    filter (tasks/curation/prefetch.py); fetch-images then skips its dropped keys."""
+    fingerprint = filter.profile_fingerprint(profile) + str(src.options["embeddings"])
+    run.run(
+        prefetch.STAGE,
+        {filter.ALL: functools.partial(prefetch.prefetch_dedup, run.root, src, profile)},
+        needs_all=True,
+        inputs={filter.ALL: fingerprint},
+    )
+    folder = run.root / src.name / prefetch.STAGE
+    publish_waterfall(src.name, folder / "waterfall.json", folder / "gallery.html")
 
 
 def archive_stages(run: _Run, src: Source, profile, scorer) -> list[str]:

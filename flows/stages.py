@@ -43,6 +43,7 @@ from tasks.runtime.shards import ShardStats, generation, is_done
 STAGE_VERSIONS = {
     "metadata": 1,
     "filtered": 2,
+    "prefetch": 1,
     "shards": 1,
     "scores": 1,
     "selected": 2,
