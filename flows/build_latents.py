@@ -26,10 +26,10 @@ from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
-from flows import pools
+from flows import partitioned, pools
 from flows.cluster import ClusterError
 from flows.devices import read_ahead, warm_file
-from flows.executor import Executor, executor
+from flows.executor import Executor, LocalExecutor, executor
 from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
 from tasks.curation import filter, filter_pixels, prefetch, score, selection, views
@@ -123,6 +123,7 @@ def build_latents(
     root = shards.data_root(data_root)
     try:
         concurrency.workers(workers)
+        partitioned.mode()
     except ValueError as e:  # workers=0, SDPIPE_WORKERS=abc: the message says what it expects
         logger.error(str(e))
         return Failed(message=str(e))
@@ -159,6 +160,7 @@ def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[st
         "views": budget,
         "tokens": budget,
         "latents": SHARDS_PER_DEVICE * devices,
+        "partitions": budget,
     }
 
 
@@ -193,17 +195,21 @@ class _Run:
         inputs: dict | None = None,
         expected: int = 0,
         done=None,
+        name: str | None = None,
     ) -> Stage:
         if needs_all and self.failures:
             raise StageFailed(
-                f"{DISPLAY[stage_name]} needs every shard before it: "
-                + _failed(self.failures, self.permanent)
+                f"{name or DISPLAY[stage_name]} needs every shard before it: "
+                + self.failed_message()
             )
         one = self.stages.stage(
-            stage_name, limit=limit, inputs=inputs, expected=expected, done=done
+            stage_name, limit=limit, inputs=inputs, expected=expected, done=done, name=name
         )
         one.on_end(self._record)
         return one
+
+    def failed_message(self) -> str:
+        return _failed(self.failures, self.permanent)
 
     def _record(self, one: Stage) -> None:
         for s in sorted(one.failed):
@@ -459,16 +465,20 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
         },
         limit=run.limits["metadata"],
     )
-    run.run(
-        "filtered",
-        {
-            filter.ALL: functools.partial(
-                filter.filter_metadata, root, name, profile, src.samples_per_shard
-            )
-        },
-        needs_all=True,
-        inputs={filter.ALL: filter.profile_fingerprint(profile)},
-    )
+    on_cluster = not isinstance(run.nodes, LocalExecutor)
+    if partitioned.use_partitioned(on_cluster, partitioned.filter_needs_parts(root, name)):
+        partitioned.filter_metadata(run, profile, src.samples_per_shard)
+    else:
+        run.run(
+            "filtered",
+            {
+                filter.ALL: functools.partial(
+                    filter.filter_metadata, root, name, profile, src.samples_per_shard
+                )
+            },
+            needs_all=True,
+            inputs={filter.ALL: filter.profile_fingerprint(profile)},
+        )
     filtered_dir = root / name / "filtered"
     publish_waterfall(name, filtered_dir / "waterfall.json", filtered_dir / "gallery.html")
     shard_names = sorted(p.stem for p in filtered_dir.glob("[0-9]*.parquet"))
