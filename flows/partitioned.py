@@ -5,7 +5,9 @@ placed by the build's executor as a per-shard unit is (this node's pools, or a c
 A task's output is a folder named by its inputs (`partition_files.run_task`), so every task
 runs each time and a finished one returns its record at once (`reused`): the folders, not
 Prefect's cache, say what is done, and a rerun after a failure or a lost node redoes only the
-partitions without a folder. When the build takes this path: `use_partitioned`.
+partitions without a folder. When the build takes this path: `use_partitioned`. The metadata
+filter runs whole this way (`filter_metadata`); filter-pixels runs its pHash level this way
+(`select_pixels`), the rest of it as its one-node unit does.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from flows.names import DISPLAY
 from flows.stages import StageFailed, publish_counts
-from tasks.curation import duck, filter_partitioned
+from tasks.curation import duck, filter_partitioned, phash_partitioned, selection
 from tasks.curation import filter as flt
 from tasks.runtime import concurrency
 from tasks.runtime.node import Node
@@ -51,6 +56,17 @@ def filter_needs_parts(root: Path, source: str) -> bool:
     files = sorted((root / source / "metadata").glob("*.parquet"))
     size = duck.input_bytes(files) if files else 0
     return size * filter_partitioned.MEMORY_PER_INPUT_BYTE > filter_partitioned.task_memory()
+
+
+def pixels_need_parts(root: Path, source: str, profile) -> bool:
+    """Whether filter-pixels' pHash level has more rows than one task holds
+    (`SDPIPE_PHASH_TASK_ROWS`): the fetched shards' rows, every status (their footers' counts,
+    a bound read without a scan). False without a pHash level."""
+    if "phash" not in profile.dedup:
+        return False
+    files = sorted((root / source / "shards").glob("[0-9]*.parquet"))
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    return rows > phash_partitioned.rows_per_task()
 
 
 class PartitionTasks:
@@ -137,3 +153,22 @@ def filter_metadata(run, profile, samples_per_shard: int) -> None:
         workdir=run.root / run.name / "partitions",
     )
     publish_counts(run.name, "filter", {flt.ALL: asdict(stats)})
+
+
+def select_pixels(run, identity: dict | None, select) -> None:
+    """filter-pixels with its pHash level as partitioned tasks (`PartitionedLosers` on
+    `PartitionTasks`), the rest in this process as the one-node unit (`select(phash=...)`, the
+    flow's `select_pixels`) runs it; the same selection, record (plus `partitioned`) and counts.
+    The partition files go once the selection is written: a failed run's stay for the rerun."""
+    if run.failures:
+        raise StageFailed(
+            f"{DISPLAY['selected']} needs every shard before it: " + run.failed_message()
+        )
+    if selection.selection_done(run.root, run.name, identity):
+        return
+    losers = phash_partitioned.PartitionedLosers(
+        PartitionTasks(run, DISPLAY["selected"] + "-phash"), run.root / run.name / "partitions"
+    )
+    stats = select(phash=losers)
+    losers.cleanup()
+    publish_counts(run.name, DISPLAY["selected"], {flt.ALL: asdict(stats)})
