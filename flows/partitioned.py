@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,11 +26,15 @@ from tasks.curation import duck, filter_partitioned, phash_partitioned, selectio
 from tasks.curation import filter as flt
 from tasks.runtime import concurrency
 from tasks.runtime.node import Node
-from tasks.runtime.shards import ShardStats, current_node
+from tasks.runtime.shards import ShardStats, current_node, journal
 
 MODE_ENV = "SDPIPE_PARTITIONED"
 MODES = ("auto", "always", "never")
 STAGE = "partitions"  # the stage key of every partition task run (its cache key's version)
+# Tests only: "<step>:<seconds>" holds each task of that step (keys, scatter, nodes...) that
+# long before it runs, so that a test can lose a node with partitions in flight. Read on the
+# node (the cluster's agents inherit SDPIPE_* settings, `net.node_env`).
+TEST_DELAY_ENV = "SDPIPE_TEST_PARTITION_DELAY"
 
 
 def mode() -> str:
@@ -97,8 +102,9 @@ class PartitionTasks:
             expected=len(calls),
             done=lambda _: False,  # the task itself finds its folder (and says `reused`)
         )
+        folder = self.run.root / self.run.name / STAGE
         for n, call in zip(names, calls, strict=True):
-            unit = functools.partial(_on_node, fn, call, self.run.name, n)
+            unit = functools.partial(_on_node, fn, call, folder, f"{self.prefix}-{step}", n)
             one.add(n, self.run.remote(STAGE, unit, n))
         one.seal()
         self.run.stages.wait()
@@ -119,18 +125,26 @@ def _plan_name(call: tuple) -> str:
     return Path(root).name if root is not None else ""
 
 
-def _on_node(fn, call: tuple, source: str, name: str, node: Node) -> ShardStats:
+def _on_node(fn, call: tuple, folder: Path, task: str, name: str, node: Node) -> ShardStats:
     """One partition task on `node`: in the node's call pool where its budget runs GIL-bound
-    work in processes (the task counts against the budget), else in this thread."""
-    if concurrency.use_processes(node.workers):
-        record = node.in_process(node.workers, fn, *call)
-    else:
-        record = fn(*call)
+    work in processes (the task counts against the budget), else in this thread. Its start,
+    end and node go to the `partitions` progress journal (`folder`: the source's partitions)."""
+    journal(folder, name, "start", node=current_node(), task=task)
+    try:
+        _test_delay(fn)
+        if concurrency.use_processes(node.workers):
+            record = node.in_process(node.workers, fn, *call)
+        else:
+            record = fn(*call)
+    except Exception:
+        journal(folder, name, "failed", task=task)
+        raise
     record = record | {"node": current_node()}
     rows = int(record.get("rows", 0) or 0)
+    journal(folder, name, "done", num_in=rows, seconds=record.get("seconds", 0.0), task=task)
     return ShardStats(
         stage=STAGE,
-        source=source,
+        source=folder.parent.name,
         shard=name,
         num_in=rows,
         num_out=rows,
@@ -139,6 +153,12 @@ def _on_node(fn, call: tuple, source: str, name: str, node: Node) -> ShardStats:
         skipped=bool(record.get("reused")),
         node=record["node"],
     )
+
+
+def _test_delay(fn) -> None:
+    step, _, seconds = (os.environ.get(TEST_DELAY_ENV) or "").partition(":")
+    if step and fn.__name__ == f"{step}_task":
+        time.sleep(float(seconds))
 
 
 def filter_metadata(run, profile, samples_per_shard: int) -> None:
