@@ -128,6 +128,26 @@ def resolve(source_dir: Path, wanted: Wanted, *, widen: bool = False, radius: in
     return found
 
 
+def resolve_root(root: Path, wanted: Wanted) -> tuple[pa.Array, pa.Array]:
+    """(URLs, keys) the list names over every source of a data root: its own URLs and keys, and
+    those of each row a hash or sha256 of it matches in a source's sample tables or in the rows
+    a removal took out (`removals/blocklist.parquet`: gone from the tables, still named here)."""
+    root = Path(root)
+    parts = []
+    for source_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        if not any((source_dir / f).is_dir() for f in ("metadata", "shards", FOLDER)):
+            continue
+        parts.append(resolve(source_dir, wanted))
+        blocked = read_blocklist(root, source_dir.name)
+        hit = _hits(blocked, wanted)
+        if hit.any():
+            parts.append(blocked.filter(pa.array(hit)))
+    found = _merge(parts)
+    urls = pc.unique(pa.concat_arrays([wanted.url, pc.drop_null(found["url"]).combine_chunks()]))
+    keys = pc.unique(pa.concat_arrays([wanted.key, found["key"].combine_chunks()]))
+    return urls, keys
+
+
 def _block_rows(table: pa.Table) -> pa.Table:
     n = table.num_rows
     columns = {}

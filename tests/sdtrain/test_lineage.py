@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,42 @@ def test_lineage_is_the_trainers_draw(make_config, tmp_path, monkeypatch, capsys
     assert cli(["--data-root", str(root), "lineage", str(four), "--parquet", str(out)]) == 0
     marked = pq.read_table(out).filter(pa.compute.field("removed"))
     assert marked["key"].to_pylist() == [one]
+
+
+def test_the_list_takes_what_sdpipe_remove_takes(make_config, tmp_path, monkeypatch, capsys):
+    """`sdpipe lineage --list` resolves the metadata's hash and the image sha256 to the rows they
+    name, in the sample tables or, once removed, in the data root's blocklist (main took both
+    kinds of line for keys and found nothing)."""
+    root = tmp_path / "root"
+    phase = build_set(root)
+    for shard in sorted((root / "demo" / "shards").glob("*.parquet")):
+        table = pq.read_table(shard)
+        hashes = [int(k[-4:]) * 1000 + int(k[5:10]) for k in table["key"].to_pylist()]
+        digests = [sha256(k.encode()).hexdigest() for k in table["key"].to_pylist()]
+        pq.write_table(table.append_column("hash", pa.array(hashes, pa.int64())).append_column(
+            "sha256", pa.array(digests)), shard)  # fmt: skip
+    config = make_config(root / "runs" / "demo", phase_dir=str(phase), sample_every=0)
+    drawn = first_steps(train_recording(config, monkeypatch), config.grad_accum)
+    by_hash, by_sha = sorted(k for k in drawn if k.startswith("demo/00001"))[:2]
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{int(by_hash[-4:]) * 1000 + 1}\n{sha256(by_sha.encode()).hexdigest()}\n")
+    found = who_saw(root, capsys, "--list", str(listing))
+    final = next(f for f in found if f["checkpoint"].endswith("final"))
+    assert final["num_rows"] == 2
+    assert final["first_step"] == min(drawn[by_hash], drawn[by_sha])
+    as_parquet = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"sha256": [sha256(by_sha.encode()).hexdigest()]}), as_parquet)
+    assert who_saw(root, capsys, "--list", str(as_parquet))[-1]["num_rows"] == 1
+
+    # Removed since: the row left the sample tables, the blocklist still names it.
+    shard = root / "demo" / "shards" / "00001.parquet"
+    table = pq.read_table(shard)
+    gone = pa.compute.equal(table["key"], by_sha)
+    lists.add_to_blocklist(root, "demo", table.filter(gone).select(lists.BLOCK_SCHEMA.names))
+    pq.write_table(table.filter(pa.compute.invert(gone)), shard)
+    assert who_saw(root, capsys, "--list", str(as_parquet))[-1]["num_rows"] == 1
+    listing.write_text("0\n" + "ab" * 32 + "\n")  # a hash and a sha256 of no row
+    assert who_saw(root, capsys, "--list", str(listing)) == []
 
 
 def test_a_resume_on_a_remixed_set_adds_a_segment(make_config, tmp_path, monkeypatch):
