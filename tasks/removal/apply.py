@@ -48,6 +48,14 @@ def _files(source_dir: Path):
                 yield Path(dirpath) / name
 
 
+def _npy_step(d: Path, npy: Path, rows: np.ndarray, steps: list, positions: list) -> None:
+    """A positional array's step (its rows `rows` go), where the array exists."""
+    if npy.exists():
+        rel = str(npy.relative_to(d))
+        steps.append({"kind": "npy", "file": rel, "rows": len(np.load(npy, mmap_mode="r"))})
+        positions.append((rel, rows))
+
+
 def plan(
     root: Path,
     source: str,
@@ -78,10 +86,7 @@ def plan(
                 if bucket == "tokens":
                     continue
                 npy = path.with_name(f"{shard}.{bucket}.npy" if bucket else f"{shard}.npy")
-                if npy.exists():
-                    n = len(np.load(npy, mmap_mode="r"))
-                    steps.append({"kind": "npy", "file": str(npy.relative_to(d)), "rows": n})
-                    positions.append((str(npy.relative_to(d)), rows))
+                _npy_step(d, npy, rows, steps, positions)
             live = path.parent == d / "latents"
             keyed.append({"kind": "keys", "file": rel, "live": live})
         elif path.suffix == ".parquet":
@@ -94,11 +99,7 @@ def plan(
                 continue
             if path.parent.name.startswith("tokens") or path.parent.parent.name == "tokens":
                 positions.append((rel, np.flatnonzero(drop)))  # token rows, for phase sets
-                npy = path.with_suffix(".npy")
-                if npy.exists():
-                    n = len(np.load(npy, mmap_mode="r"))
-                    steps.append({"kind": "npy", "file": str(npy.relative_to(d)), "rows": n})
-                    positions.append((str(npy.relative_to(d)), np.flatnonzero(drop)))
+                _npy_step(d, path.with_suffix(".npy"), np.flatnonzero(drop), steps, positions)
             keyed.append({"kind": "parquet", "file": rel})
         elif path.suffix == ".tar":
             if rewrite.tar_holds(path, keys):
@@ -171,7 +172,8 @@ def apply(
     path = record_path(root, source, record["list_sha256"])
     if not path.exists():
         write_json_atomic(path, record)
-    keys = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")["key"].combine_chunks()
+    found = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")  # the plan's rows
+    keys = found["key"].combine_chunks()
     positions = _positions(d, stem)
     rewritten: dict[str, int] = {}
     step = 0
@@ -206,7 +208,6 @@ def apply(
         with atomic_path(generation_path(root, source)) as tmp:
             tmp.write_text(str(record["generation"]))
     done("stats", 0)
-    found = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")
     record["blocklist_rows"] = lists.add_to_blocklist(root, source, found)
     done("blocklist", 0)
     absolute = {os.path.realpath(d / f): rows for f, rows in positions.items()}
