@@ -235,8 +235,9 @@ def read_blocklist(root: Path, source: str) -> pa.Table:
 
 def add_to_blocklist(root: Path, source: str, rows: pa.Table) -> int:
     """The removed rows join the data root's blocklist of the source (deduplicated by key, key
-    order: the same list twice writes the same file); returns the rows it holds."""
-    merged = _merge([read_blocklist(root, source), rows])
+    order: the same list twice writes the same file); returns the rows it holds. `rows` may lack
+    some of BLOCK_SCHEMA's columns (a plan written before `origin` was kept)."""
+    merged = _merge([read_blocklist(root, source), _block_rows(rows)])
     before = read_blocklist(root, source)
     if before.num_rows == merged.num_rows and before.equals(merged):
         return merged.num_rows

@@ -121,8 +121,8 @@ def test_lineage_is_the_trainers_draw(make_config, tmp_path, monkeypatch, capsys
 
     # A removal since (the data root's blocklist, as `sdpipe remove` keeps it, naming the row by
     # its URL): status flags the checkpoints that drew the row, and the listing marks it.
-    gone = {"key": ["demo/99999//0000"], "url": [url_of(one)], "hash": [None], "sha256": [None]}
-    lists.add_to_blocklist(root, "demo", pa.table(gone, schema=lists.BLOCK_SCHEMA))
+    gone = {"key": ["demo/99999//0000"], "url": [url_of(one)]}
+    lists.add_to_blocklist(root, "demo", pa.table(gone))
     assert {f["checkpoint"] for f in lineage.removed_flags(root)} == {
         f["checkpoint"] for f in found
     }
@@ -165,7 +165,7 @@ def test_the_list_takes_what_sdpipe_remove_takes(make_config, tmp_path, monkeypa
     shard = root / "demo" / "shards" / "00001.parquet"
     table = pq.read_table(shard)
     gone = pa.compute.equal(table["key"], by_sha)
-    lists.add_to_blocklist(root, "demo", table.filter(gone).select(lists.BLOCK_SCHEMA.names))
+    lists.add_to_blocklist(root, "demo", table.filter(gone))
     pq.write_table(table.filter(pa.compute.invert(gone)), shard)
     assert who_saw(root, capsys, "--list", str(as_parquet))[-1]["num_rows"] == 1
     listing.write_text("0\n" + "ab" * 32 + "\n")  # a hash and a sha256 of no row
