@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from catalog import FilterProfile
 from sdtrain.atomic import TMP_MARK, atomic_path, write_json_atomic
 from tasks.curation.waterfall import Waterfall
-from tasks.removal import counts, lists, phase_sets, rewrite
+from tasks.removal import counts, lists, phase_sets, reports, rewrite
 from tasks.removal.lists import FOLDER, Wanted
 from tasks.runtime.shards import generation, generation_path
 
@@ -117,6 +117,8 @@ def plan(
     # waterfalls after the tars their galleries' thumbnails are read from.
     order = {"parquet": 0, "tar": 1, "keys": 2, "waterfall": 3}
     steps += sorted(keyed, key=lambda s: (order[s["kind"]], s["file"]))
+    # Eval reports whose nearest-training-image pairs show a removed row (under <root>/runs/).
+    steps += [{"kind": "eval", "report": r} for r in reports.showing(root, source, gone)]
     if (d / "hf").is_dir() and len(keys):
         steps.append({"kind": "hf"})
     kept_aside = [f for s in steps if ("spec-" in (f := s.get("file", "")) or "/kept" in f)]
@@ -174,6 +176,7 @@ def apply(
         write_json_atomic(path, record)
     found = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")  # the plan's rows
     keys = found["key"].combine_chunks()
+    gone = set(keys.to_pylist())
     positions = _positions(d, stem)
     rewritten: dict[str, int] = {}
     step = 0
@@ -200,6 +203,8 @@ def apply(
             done(file, rewrite.keys_file(p, keys, tokens))
         elif kind == "waterfall":
             done(file, _waterfall(p, keys, record["counts"]))
+        elif kind == "eval":
+            done(s["report"], reports.rewrite_summary(root / s["report"], source, gone))
         elif kind == "hf" and export_hf is not None:
             export_hf()
             done("hf", 1)
@@ -220,6 +225,11 @@ def apply(
     record["phase_sets"] = sorted(relinked)
     record["rows_removed"] = _rows_removed(record["counts"])
     record["files_rewritten"] = sorted({s["file"] for s in record["steps"] if "file" in s})
+    # What shows a removed image on the dashboard, for the flow to publish again without it.
+    record["republish"] = {
+        "galleries": [s["file"] for s in record["steps"] if s["kind"] == "waterfall"],
+        "eval_reports": [s["report"] for s in record["steps"] if s["kind"] == "eval"],
+    }
     record["not_rewritten"] = not_rewritten(root, record["phase_sets"])
     record["status"] = "done"
     record["done"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
