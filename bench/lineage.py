@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from sdtrain.lineage import BATCH_ROWS, Segment, set_copy
+from sdtrain.lineage import BATCH_ROWS, COPY_OPTIONS, Segment, copy_schema, set_copy
 
 DIGEST = "0" * 64  # the stand-in set's digest
 RANKS, BATCH, NUM_VAL = 8, 125, 1000
@@ -76,15 +76,17 @@ def build(directory: Path, num_rows: int) -> None:
     run = directory / "runs" / "phase-1"
     copy = set_copy(run, DIGEST)
     copy.parent.mkdir(parents=True, exist_ok=True)
-    schema = pa.schema([(c, pa.string()) for c in ("key", "source", "url", "caption")])
-    with pa.OSFile(str(copy), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+    schema = copy_schema(bucketed=False)  # as the trainer keeps it (`keep_set`)
+    sources = pa.array(["laion"])
+    with (
+        pa.OSFile(str(copy), "wb") as sink,
+        pa.ipc.new_file(sink, schema, options=COPY_OPTIONS) as writer,
+    ):
         for start in range(0, num_rows, BATCH_ROWS):
             rows = np.arange(start, min(start + BATCH_ROWS, num_rows), dtype=np.int64)
             n = len(rows)
             key = _text(["laion/", _digits(rows // 10_000, 6), "/", _digits(rows, 10)], n)
-            source = pa.DictionaryArray.from_arrays(
-                pa.array(np.zeros(n, np.int32)), pa.array(["laion"])
-            ).dictionary_decode()
+            source = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), sources)
             caption = _text(["a photo of object ", _digits(rows, 10), " on a table"], n)
             writer.write_batch(
                 pa.record_batch([key, source, urls_of(rows), caption], schema=schema)

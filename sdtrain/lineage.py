@@ -27,6 +27,24 @@ from sdtrain.data import BucketBatchSampler, EpochSampler, split_rows
 SETS = "lineage"  # `<run_dir>/lineage/<digest>.arrow`: a set's rows, manifest order
 BATCH_ROWS = 1 << 20  # rows per record batch of a set's copy (what one read maps)
 COLUMNS = ("key", "source", "url", "caption")
+# A copy's buffers are zstd-compressed: a checkpoint's rows are scattered over every page of
+# the set, so a listing reads the whole copy, and at 100M rows that is disk, not CPU (issue 36).
+COPY_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
+SOURCE_TYPE = pa.dictionary(pa.int32(), pa.string())  # a few sources over many rows
+
+
+def copy_schema(bucketed: bool) -> pa.Schema:
+    fields = [pa.field(c, SOURCE_TYPE if c == "source" else pa.string()) for c in COLUMNS]
+    if bucketed:
+        fields.append(pa.field("bucket", pa.dictionary(pa.int32(), pa.string())))
+    return pa.schema(fields)
+
+
+def source_column(values: pa.Array, names: pa.Array) -> pa.DictionaryArray:
+    """`values` (strings) as the copy's source column over the set's sorted source `names`: one
+    dictionary for the whole file (the IPC file format keeps one per column)."""
+    indices = pc.index_in(pc.cast(values, pa.string()), value_set=names)
+    return pa.DictionaryArray.from_arrays(pc.cast(indices, pa.int32()), names)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -107,16 +125,17 @@ def keep_set(phase_dir: str | Path, run_dir: str | Path, digest: str, buckets=No
     phase_dir = Path(phase_dir)
     root = phase_dir.parent.parent
     manifest = pq.ParquetFile(phase_dir / layout.MANIFEST)
-    fields = [pa.field(c, pa.string()) for c in COLUMNS]
-    if buckets is not None:
-        fields.append(pa.field("bucket", pa.dictionary(pa.int32(), pa.string())))
-    schema = pa.schema(fields)
+    schema = copy_schema(buckets is not None)
+    names = set()
+    for batch in manifest.iter_batches(BATCH_ROWS, columns=["source"]):
+        names.update(pc.unique(pc.cast(batch.column(0), pa.string())).to_pylist())
+    names = pa.array(sorted(names), pa.string())
     samples = _SampleTables(root)
     out.parent.mkdir(parents=True, exist_ok=True)
     with (
         atomic_path(out) as tmp,
         pa.OSFile(str(tmp), "wb") as sink,
-        pa.ipc.new_file(sink, schema) as writer,
+        pa.ipc.new_file(sink, schema, options=COPY_OPTIONS) as writer,
     ):
         start = 0
         for batch in manifest.iter_batches(BATCH_ROWS, columns=["key", "source", "shard"]):
@@ -124,7 +143,7 @@ def keep_set(phase_dir: str | Path, run_dir: str | Path, digest: str, buckets=No
             url, caption = samples.lookup(table)
             columns = [
                 pc.cast(table["key"], pa.string()),
-                pc.cast(table["source"], pa.string()),
+                source_column(table["source"], names),
                 url,
                 caption,
             ]
@@ -295,13 +314,17 @@ def first_draws(segment: Segment, buckets=None) -> tuple[np.ndarray, np.ndarray]
 
 def set_batches(path: Path, columns: list[str]) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(first row, batch of `columns`) of a set's copy, each batch mapped and let go on its own:
-    what a query touches of a 100M-row file stays one batch's pages."""
+    what a query touches of a 100M-row file stays one batch's pages. Only `columns` are read
+    (and decompressed)."""
     with pa.memory_map(str(path)) as source:
-        num_batches = pa.ipc.open_file(source).num_record_batches
+        reader = pa.ipc.open_file(source)
+        num_batches, names = reader.num_record_batches, reader.schema.names
+    fields = [names.index(c) for c in columns] if columns else None
+    options = pa.ipc.IpcReadOptions(included_fields=sorted(fields) if fields else None)
     start = 0
     for i in range(num_batches):
         with pa.memory_map(str(path)) as source:
-            batch = pa.ipc.open_file(source).get_batch(i)
+            batch = pa.ipc.open_file(source, options=options).get_batch(i)
             batch = batch.select(columns) if columns else batch
             length = batch.num_rows
             yield start, batch

@@ -150,7 +150,7 @@ def lineage_batches(checkpoint: Path, removed: pa.Array | None = None) -> Iterat
                 ).dictionary_decode(),
                 pa.array(rows[a:b].astype(np.int64)),
                 pa.array(steps[a:b]),
-                taken.column(1),
+                pc.cast(taken.column(1), pa.string()),  # a dictionary in the copy
                 taken.column(0),
                 taken.column(2),
                 taken.column(3),
