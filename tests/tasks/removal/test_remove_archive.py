@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 
 from catalog import FilterProfile, Source
 from tasks.removal import apply, lists
+from tasks.runtime.shards import read_stats, summarize
 from tasks.sources.adapters import adapter_for, index_source, repack_shard, shard_names
 from tests.tasks import bad_images as bad
 from tests.tasks.fixtures_archives import members, read_dir
@@ -56,6 +57,9 @@ def test_a_rebuild_of_an_archive_source_does_not_bring_removed_rows_back(tmp_pat
     record = apply.remove(root, NAME, lists.read_list(listed), PROFILE, scored=False)
     assert record["num_rows"] == 2
     gone = {rows["2.jpg"]["key"], rows["5.jpg"]["key"]}
+    index = summarize(read_stats(root, NAME, "metadata"))  # counted once, at the index
+    assert (index["num_in"], index["num_out"], index["dropped"]) == (8, 6, {"removed": 2})
+    assert summarize(read_stats(root, NAME, "shards"))["num_in"] == 6
 
     # A fresh root sharing the removals folder; upstream gained a copy of 5.jpg at another path.
     (folder / "z.jpg").write_bytes(image(5))
