@@ -17,7 +17,7 @@ from flows.cli import main as cli
 from flows.lineage import flags_markdown
 from sdtrain import train as train_module
 from sdtrain.checkpoint import CheckpointError
-from sdtrain.lineage import read_segments
+from sdtrain.lineage import held_out_path, read_segments
 from tasks.phases import lineage
 from tasks.removal import lists
 from tests.torch_threads import one_torch_thread
@@ -170,6 +170,25 @@ def test_the_list_takes_what_sdpipe_remove_takes(make_config, tmp_path, monkeypa
     assert who_saw(root, capsys, "--list", str(as_parquet))[-1]["num_rows"] == 1
     listing.write_text("0\n" + "ab" * 32 + "\n")  # a hash and a sha256 of no row
     assert who_saw(root, capsys, "--list", str(listing)) == []
+
+
+def test_a_copy_kept_before_compression_reads_the_same(make_config, tmp_path, monkeypatch):
+    """Copies are zstd-compressed with a dictionary source now, the held-out rows kept beside;
+    one an older sdpipe kept (plain strings, uncompressed, no held-out rows) lists the same."""
+    root = tmp_path / "root"
+    phase = build_set(root)
+    config = make_config(root / "runs" / "demo", phase_dir=str(phase), sample_every=0)
+    train_recording(config, monkeypatch)
+    final = root / "runs" / "demo" / "final"
+    ((_, copy, _, _),) = lineage.drawn_by_set(final)
+    table = pa.ipc.open_file(pa.memory_map(str(copy))).read_all()
+    assert pa.types.is_dictionary(table.schema.field("source").type)
+    now = pa.Table.from_batches(lineage.lineage_batches(final))
+    plain = table.set_column(1, "source", pa.compute.cast(table["source"], pa.string()))
+    with pa.OSFile(str(copy), "wb") as sink, pa.ipc.new_file(sink, plain.schema) as writer:
+        writer.write_table(plain)
+    held_out_path(copy, config.seed, config.num_val_samples).unlink()
+    assert pa.Table.from_batches(lineage.lineage_batches(final)).equals(now)
 
 
 def test_a_resume_on_a_remixed_set_adds_a_segment(make_config, tmp_path, monkeypatch):
