@@ -5,7 +5,7 @@ mask); this flow checks the list before anything changes, runs it, publishes the
 galleries again without the removed samples and a removal artifact (rows per stage, files
 rewritten, phase sets re-linked, what could not be rewritten) and the lineage flags of the
 checkpoints that trained on removed rows. `sdpipe remove` runs it here
-(`cmd_remove`: the command's work, its arguments parsed in flows/cli.py).
+(`cmd_remove`: the command's work, its arguments parsed in flows/cli/commands.py).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def remove(
     """Remove the samples `list_file` names (URLs, hashes, sha256s or keys; parquet or one a
     line) from every output of `source` under the data root; `widen`: also every sample with
     the same picture (sha256, or pHash within the profile's near-duplicate distance)."""
+    from flows.execution.stages import publish_waterfall
     from flows.lineage import publish_removed_flags
-    from flows.stages import publish_waterfall
 
     logger = get_run_logger()
     root = shards.data_root(data_root)
@@ -112,7 +112,7 @@ def remove(
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
-    from flows.local import prefect_api
+    from flows.cli.local import prefect_api
 
     root = shards.data_root(args.data_root)
     try:

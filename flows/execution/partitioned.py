@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from flows.stages import StageFailed, publish_counts
+from flows.execution.stages import StageFailed, publish_counts
 from tasks.curation import duck, filter_partitioned
 from tasks.curation import filter as flt
 from tasks.runtime import concurrency
