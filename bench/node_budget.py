@@ -37,6 +37,8 @@ import tempfile
 import threading
 import time
 
+from tasks.runtime.net import serving
+
 EXTRA = 2  # the budget's allowance over `workers` (tasks/runtime/node.py)
 SAMPLE_S = 0.05
 # A CPU-heavy process of a build by what it runs (before and after the node object).
@@ -180,16 +182,8 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@contextlib.contextmanager
 def serve(folder: Path):
-    handler = functools.partial(_Quiet, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
+    return serving(functools.partial(_Quiet, directory=str(folder)))
 
 
 # ---- one run ---------------------------------------------------------------------------------
@@ -264,7 +258,7 @@ def main() -> None:
     args = parser.parse_args()
     budgets = [int(x) for x in args.workers.split(",")]
 
-    from flows import local
+    from flows.cli import local
     from tasks.runtime.net import free_port
 
     work = Path(tempfile.mkdtemp(prefix="bench-node-budget-"))

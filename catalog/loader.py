@@ -332,6 +332,15 @@ def _check_references(c: Catalog) -> None:
             )
         if s.model not in c.models:
             raise CatalogError(f"{d / 'sources.yaml'}: {s.name}.model: unknown model {s.model!r}")
+        if c.profiles[s.profile].semantic_prefetch and (
+            s.kind not in ("url", "demo") or not s.options.get("embeddings")
+        ):
+            raise CatalogError(
+                f"{d / 'sources.yaml'}: {s.name}: its profile {s.profile!r} sets "
+                "semantic_prefetch, which needs a url source with `options: {embeddings: "
+                "FOLDER}` (LAION's img_emb/ + metadata_NNNN.parquet layout; docs/sources.md)"
+                + (f"; this source is of kind {s.kind!r}" if s.kind not in ("url", "demo") else "")
+            )
     for pr in c.profiles.values():
         _check_profile(pr, d / "profiles.yaml")
         if pr.scorer and pr.scorer not in c.scorers:

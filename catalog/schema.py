@@ -73,6 +73,10 @@ class FilterProfile:
     # and, from a sample of them, the rows estimated to have lost one
     # (`semantic_missed_estimate`): more visits find those, at more work per cluster.
     semantic_visits: int = 2
+    # Semantic dedup before fetch (URL sources whose `options.embeddings` names a folder of
+    # LAION's published image embeddings; docs/sources.md): filtered rows that are copies, at
+    # `semantic_threshold`, of a better-ranked row are never fetched (`semantic_prefetch`).
+    semantic_prefetch: bool = False
     # Tagged local folders (JSON metadata with `tags` and `score`, as in seed 002): an image with
     # any of `exclude_tags` is dropped (`excluded_tag`); `remove_tags` are left out of the
     # caption; `tag_replacements` rewrite substrings of each tag (in order); the caption is the

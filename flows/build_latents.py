@@ -10,7 +10,7 @@ builds its `Node` once, tasks/runtime/node.py, and passes it to every stage func
 process pools live within it), each stage with its own bound: fetch `concurrency.fetch_shards`,
 repack `concurrency.pooled_shards` (into the shared decode pool), tokenize `workers` shards
 (in processes above 2), score and encode one long-lived worker per device of the GPU pool
-(flows/devices.py). Per-shard stages overlap where no global step sits between them: a
+(flows/execution/devices.py). Per-shard stages overlap where no global step sits between them: a
 shard is scored as soon as it is fetched, encoded as soon as it is tokenized.
 """
 
@@ -26,13 +26,13 @@ from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
-from flows import pools
-from flows.cluster import ClusterError
-from flows.devices import read_ahead, warm_file
-from flows.executor import Executor, executor
-from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
+from flows.execution import partitioned, pools
+from flows.execution.cluster import ClusterError
+from flows.execution.devices import read_ahead, warm_file
+from flows.execution.executor import Executor, LocalExecutor, executor
+from flows.execution.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
-from tasks.curation import filter, filter_pixels, score, selection, views
+from tasks.curation import filter, filter_pixels, prefetch, score, selection, views
 from tasks.curation.score import ScoringWeightsError
 from tasks.latents import encode, hf_export, images, tokenize
 from tasks.runtime import concurrency, shards
@@ -41,7 +41,7 @@ from tasks.runtime.shards import read_stats, summarize
 from tasks.sources import adapters, demo_source, fetch_images, metadata
 from tasks.sources.table import SourceError
 
-STAGES = ("metadata", "filtered", "shards", "scores", "selected", "tokens", "latents")
+STAGES = ("metadata", "filtered", "prefetch", "shards", "scores", "selected", "tokens", "latents")
 # Each stage bounds its own task runs (StageRun): the flow's pool only has to have a thread
 # for each, so its size is no limit (threads start on demand).
 TASK_THREADS = 1024
@@ -73,7 +73,11 @@ def source_summary(root: Path, source: str) -> dict[str, dict]:
     The score and (metadata) filter stages are listed only for sources that have them.
     """
     records = {stage: read_stats(root, source, stage) for stage in STAGES}
-    optional = (score.STAGE, "filtered")  # unscored sources; archive sources filter on pixels
+    optional = (
+        score.STAGE,
+        "filtered",
+        prefetch.STAGE,
+    )  # unscored sources; archive sources filter on pixels
     return {
         stage: summarize(stats)
         for stage, stats in records.items()
@@ -113,12 +117,13 @@ def build_latents(
     `workers`: the node's worker budget (default `SDPIPE_WORKERS`, else the cores); each
     stage's concurrency derives from it, score and encode from the node's devices.
     `cluster`: a Ray cluster's address (default `RAY_ADDRESS`; none: this node): every
-    per-shard stage then runs on its nodes (flows/cluster.py), `workers` each (default: the
-    node's CPUs)."""
+    per-shard stage then runs on its nodes (flows/execution/cluster.py), `workers` each (default:
+    the node's CPUs)."""
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
         concurrency.workers(workers)
+        partitioned.mode()
     except ValueError as e:  # workers=0, SDPIPE_WORKERS=abc: the message says what it expects
         logger.error(str(e))
         return Failed(message=str(e))
@@ -155,6 +160,7 @@ def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[st
         "views": budget,
         "tokens": budget,
         "latents": SHARDS_PER_DEVICE * devices,
+        "partitions": budget,
     }
 
 
@@ -189,17 +195,21 @@ class _Run:
         inputs: dict | None = None,
         expected: int = 0,
         done=None,
+        name: str | None = None,
     ) -> Stage:
         if needs_all and self.failures:
             raise StageFailed(
-                f"{DISPLAY[stage_name]} needs every shard before it: "
-                + _failed(self.failures, self.permanent)
+                f"{name or DISPLAY[stage_name]} needs every shard before it: "
+                + self.failed_message()
             )
         one = self.stages.stage(
-            stage_name, limit=limit, inputs=inputs, expected=expected, done=done
+            stage_name, limit=limit, inputs=inputs, expected=expected, done=done, name=name
         )
         one.on_end(self._record)
         return one
+
+    def failed_message(self) -> str:
+        return _failed(self.failures, self.permanent)
 
     def _record(self, one: Stage) -> None:
         for s in sorted(one.failed):
@@ -235,7 +245,7 @@ def run_source(
     *,
     hf_dataset: bool = False,
 ) -> None:
-    """Every stage of `src` on the executor's nodes (`flows.executor`: this node, or a Ray
+    """Every stage of `src` on the executor's nodes (`flows.execution.executor`: this node, or a Ray
     cluster's)."""
     name = src.name
     profile = catalog.profile(src.profile)
@@ -455,19 +465,25 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
         },
         limit=run.limits["metadata"],
     )
-    run.run(
-        "filtered",
-        {
-            filter.ALL: functools.partial(
-                filter.filter_metadata, root, name, profile, src.samples_per_shard
-            )
-        },
-        needs_all=True,
-        inputs={filter.ALL: filter.profile_fingerprint(profile)},
-    )
+    on_cluster = not isinstance(run.nodes, LocalExecutor)
+    if partitioned.use_partitioned(on_cluster, partitioned.filter_needs_parts(root, name)):
+        partitioned.filter_metadata(run, profile, src.samples_per_shard)
+    else:
+        run.run(
+            "filtered",
+            {
+                filter.ALL: functools.partial(
+                    filter.filter_metadata, root, name, profile, src.samples_per_shard
+                )
+            },
+            needs_all=True,
+            inputs={filter.ALL: filter.profile_fingerprint(profile)},
+        )
     filtered_dir = root / name / "filtered"
     publish_waterfall(name, filtered_dir / "waterfall.json", filtered_dir / "gallery.html")
     shard_names = sorted(p.stem for p in filtered_dir.glob("[0-9]*.parquet"))
+    if before_fetch := prefetch.wanted(src, profile):  # duplicates found before any fetch
+        _prefetch_dedup(run, src, profile)
     server = (
         demo_source.serve_mirror(root / name / "mirror")
         if src.kind == "demo"
@@ -485,6 +501,7 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
                     image_size=src.resolution,
                     min_side=profile.min_side,
                     allow_private_hosts=src.allow_private_hosts,
+                    dropped=prefetch.dropped_path(root, name, s) if before_fetch else None,
                     **fetch_images.fetch_limits(src.options),
                 ),
             ),
@@ -494,6 +511,20 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
     }
     with server:
         return _fetch_then_score(run, units, scorer)
+
+
+def _prefetch_dedup(run: _Run, src: Source, profile) -> None:
+    """Semantic dedup on the source's published embeddings, one unit after the metadata
+    filter (tasks/curation/prefetch.py); fetch-images then skips its dropped keys."""
+    fingerprint = filter.profile_fingerprint(profile) + str(src.options["embeddings"])
+    run.run(
+        prefetch.STAGE,
+        {filter.ALL: functools.partial(prefetch.prefetch_dedup, run.root, src, profile)},
+        needs_all=True,
+        inputs={filter.ALL: fingerprint},
+    )
+    folder = run.root / src.name / prefetch.STAGE
+    publish_waterfall(src.name, folder / "waterfall.json", folder / "gallery.html")
 
 
 def archive_stages(run: _Run, src: Source, profile, scorer) -> list[str]:

@@ -5,8 +5,8 @@ mask); this flow checks the list before anything changes, runs it, publishes the
 galleries and eval grids that showed a removed image again without it (their older artifact
 versions deleted), a removal artifact (rows per stage, files rewritten, phase sets re-linked,
 what could not be rewritten) and the lineage flags of the checkpoints that trained on removed
-rows. `sdpipe remove` runs it here
-(`cmd_remove`: the command's work, its arguments parsed in flows/cli.py).
+rows. `sdpipe remove` runs it here (`cmd_remove`: the command's work, its arguments parsed in
+flows/cli/commands.py).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def republish(root: Path, source: str, record: dict) -> list[str]:
     """The galleries and eval grids that showed a removed image (the record's `republish`), as
     new versions of their artifacts; the older versions, which embed it, are deleted from the
     server. Run again after a kill, it publishes the same. Returns the artifact keys."""
-    from flows import evaluate, stages
+    from flows import evaluate
+    from flows.execution import stages
     from tasks.evaluation import eval_report
 
     d, keys = root / source, []
@@ -168,7 +169,7 @@ def delete_older_versions(keys: list[str]) -> None:
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
-    from flows.local import prefect_api
+    from flows.cli.local import prefect_api
 
     root = shards.data_root(args.data_root)
     try:

@@ -73,9 +73,14 @@ class ProfileChanged(CatalogError):
 
 # What was built from a unit's output, in pipeline order (folders under <root>/<source>/).
 BUILT_AFTER = {
-    "filtered": ("shards", "scores", "selected", "views", "tokens", "hf", "latents"),
+    "filtered": ("prefetch", "shards", "scores", "selected", "views", "tokens", "hf", "latents"),
     "selected": ("views", "tokens", "hf", "latents"),
 }
+
+
+# Settings that change only which rows are fetched from now on, not a selection made: switched
+# on for a built root, the shards fetched before stay and the rest are deduplicated first.
+BEFORE_FETCH_ONLY = ("semantic_prefetch",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,7 +422,11 @@ def check_profile(root: Path, source: str, stage: str, profile: FilterProfile) -
     # field must not refuse every data root built before it).
     defaults = profile_settings(FilterProfile(name=profile.name))
     built = defaults | built
-    changed = sorted(k for k in built.keys() | now.keys() if built.get(k) != now.get(k))
+    changed = sorted(
+        k
+        for k in built.keys() | now.keys()
+        if built.get(k) != now.get(k) and k not in BEFORE_FETCH_ONLY
+    )
     if not changed:
         return
     diff = "; ".join(f"{k}: {built.get(k)!r} -> {now.get(k)!r}" for k in changed)

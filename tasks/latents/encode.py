@@ -316,8 +316,8 @@ def encode_stream(
     encodes: (shard, its stats record, or the error that failed it) in the order given.
 
     `shards` may block for the next shard (one long-lived encoder per device: a device worker
-    of build-latents, flows/devices.py). A shard whose inputs cannot be read or whose outputs
-    cannot be written fails alone (its failure record written); shards done already are
+    of build-latents, flows/execution/devices.py). A shard whose inputs cannot be read or whose
+    outputs cannot be written fails alone (its failure record written); shards done already are
     skipped. The record's `extra["device"]` names the device. `spec`: the latent layout
     (default `LatentSpec.of(model)`: the model's plan, one view, the mean; the flows pass
     `spec_for(catalog, source)`, which adds the catalog's flips and latent sampling); a shard
@@ -358,36 +358,19 @@ def encode_shards(
     shards: Sequence[str],
     model: Model,
     *,
-    batch_size: int = 32,
-    device: str | torch.device | None = None,
-    num_workers: int | None = None,
-    compile: bool = False,
     spec: LatentSpec | None = None,
-    precision: str | None = None,
-    node: Node | None = None,
+    **options,
 ) -> list[ShardStats]:
     """Encode `shards` in order through one pipeline; shards already done (under `spec`,
     default `LatentSpec.of(model)`: the model's plan, no flips, the mean) are skipped. The first
-    shard that fails raises (the shards before it are done)."""
+    shard that fails raises (the shards before it are done). `options`: `encode_stream`'s
+    keyword arguments (batch size, device, workers, compile, precision, flush, node)."""
     spec = spec or LatentSpec.of(model)
     if all(shard_done(root, source, s, spec) for s in shards):
         return [run_shard(root, source, STAGE, s, _never) for s in shards]
-    stream = encode_stream(
-        root,
-        source,
-        shards,
-        model,
-        batch_size=batch_size,
-        device=device,
-        num_workers=num_workers,
-        compile=compile,
-        spec=spec,
-        precision=precision,
-        node=node,
-    )
     done = []
-    with contextlib.closing(stream):
-        for _, outcome in stream:
+    with contextlib.closing(encode_stream(root, source, shards, model, spec=spec, **options)) as s:
+        for _, outcome in s:
             if isinstance(outcome, Exception):
                 raise outcome
             done.append(outcome)
@@ -398,11 +381,9 @@ def _never(stats: ShardStats) -> None:
     raise AssertionError(f"{stats.shard} was done")
 
 
-def encode_shard(
-    root: Path, source: str, shard: str, model: Model, *, batch_size: int = 32, **kwargs
-) -> ShardStats:
-    """Encode one shard (see `encode_shards` for the keyword arguments)."""
-    return encode_shards(root, source, [shard], model, batch_size=batch_size, **kwargs)[0]
+def encode_shard(root: Path, source: str, shard: str, model: Model, **options) -> ShardStats:
+    """Encode one shard (`options`: `encode_stream`'s keyword arguments)."""
+    return encode_shards(root, source, [shard], model, **options)[0]
 
 
 # ---- many devices ---------------------------------------------------------------------------
@@ -431,22 +412,13 @@ def encode_on_devices(
     shards: Sequence[str],
     model: Model,
     devices: Sequence[str],
-    *,
-    batch_size: int = 32,
-    num_workers: int | None = None,
-    compile: bool = False,
-    spec: LatentSpec | None = None,
-    precision: str | None = None,
+    **options,
 ) -> list[ShardStats]:
-    """One encoder process per device (e.g. every GPU of a machine), each on its share."""
+    """One encoder process per device (e.g. every GPU of a machine), each on its share
+    (`options`: `encode_stream`'s keyword arguments; decode workers default to the device's
+    share of the cores, less one)."""
     cores = max(1, len(os.sched_getaffinity(0)) // len(devices))
-    options = dict(
-        batch_size=batch_size,
-        num_workers=num_workers or max(1, cores - 1),
-        compile=compile,
-        spec=spec,
-        precision=precision,
-    )
+    options["num_workers"] = options.get("num_workers") or max(1, cores - 1)
     ctx = multiprocessing.get_context("spawn")  # a process that holds CUDA cannot fork
     procs = [
         ctx.Process(

@@ -3,8 +3,12 @@ cluster's nodes need to reach it and run this checkout (`python_path`, `node_env
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 # This checkout (the folder of flows/, tasks/, sdtrain/, catalog/).
@@ -16,6 +20,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(
+    handler, host: str = "127.0.0.1", port: int = 0, request_queue_size: int = 5
+) -> Iterator[str]:
+    """`handler` served on `host:port` (0: a free port), a thread per request, while the block
+    runs: its base URL. Shut down and closed at the end (the demo's mirror, the tests' and
+    benchmarks' upstreams)."""
+
+    class Server(http.server.ThreadingHTTPServer):
+        daemon_threads = True
+
+    Server.request_queue_size = request_queue_size
+    server = Server((host, port), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def unreachable(address: str, timeout_s: float = 5.0) -> str | None:

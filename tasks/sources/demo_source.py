@@ -17,7 +17,6 @@ import io
 import itertools
 import json
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
 from sdtrain.atomic import atomic_path
-from tasks.runtime.net import free_port
+from tasks.runtime.net import free_port, serving
 
 SKIES = {"blue": (90, 150, 230), "orange sunset": (240, 140, 60), "dark night": (20, 20, 50)}
 GROUNDS = {
@@ -188,16 +187,12 @@ def serve_mirror(mirror: Path) -> Iterator[str]:
     """Serve the mirror on the loopback port its URLs name, for the duration of the block."""
     info = json.loads((mirror / "server.json").read_text())
     handler = functools.partial(_QuietHandler, directory=str(mirror))
+    stack = contextlib.ExitStack()
     try:
-        server = http.server.ThreadingHTTPServer((info["host"], info["port"]), handler)
+        url = stack.enter_context(serving(handler, info["host"], info["port"]))
     except OSError as e:
         raise RuntimeError(
             f"demo server: port {info['port']} (named by the URLs in {mirror}) is busy: {e}"
         ) from None
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://{info['host']}:{info['port']}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with stack:
+        yield url

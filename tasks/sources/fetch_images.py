@@ -387,15 +387,20 @@ def fetch_images_shard(
     image_size: int,
     min_side: int,
     node: Node | None = None,
+    dropped: Path | None = None,
     **download_options,
 ) -> ShardStats:
     """Fetch one filtered shard's URLs on `node`'s downloaders and decode workers (default:
-    this process's node)."""
+    this process's node), less the keys in `dropped` (a `key` parquet: the duplicates that
+    semantic dedup found before fetch, counted by its own stage)."""
     filtered = root / source / "filtered" / f"{shard}.parquet"
     out_dir = root / source / STAGE
 
     def work(stats: ShardStats) -> None:
         table = pq.read_table(filtered)
+        if dropped is not None:
+            skip = pq.read_table(dropped, columns=["key"])["key"]
+            table = table.filter(pc.invert(pc.is_in(table["key"], value_set=skip)))
         stats.num_in = table.num_rows
         with (
             tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{shard}.tmp-") as tmp,

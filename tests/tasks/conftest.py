@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import http.server
 import io
 import tarfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tasks.runtime.net import serving
 from tasks.sources import demo_source
 
 
@@ -79,20 +76,6 @@ def scene():
     return scene_jpeg
 
 
-@contextmanager
-def loopback_server(handler: type, request_queue_size: int = 5) -> Iterator[str]:
-    """`handler` served on 127.0.0.1 (a free port, a thread per request) while the block runs:
-    its base URL. Shut down and closed at the end."""
-
-    class Server(http.server.ThreadingHTTPServer):
-        daemon_threads = True
-
-    Server.request_queue_size = request_queue_size
-    server = Server(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+def loopback_server(handler: type, request_queue_size: int = 5):
+    """`handler` served on 127.0.0.1 (a free port) while the block runs: its base URL."""
+    return serving(handler, request_queue_size=request_queue_size)

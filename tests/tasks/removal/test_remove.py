@@ -543,7 +543,8 @@ def test_the_flow_publishes_the_galleries_and_eval_grid_again_without_them(built
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows import evaluate, remove, stages
+    from flows import evaluate, remove
+    from flows.execution import stages
     from tasks.evaluation import eval_report
 
     root = removed.root.parent.parent / "flow" / "data"

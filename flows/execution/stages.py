@@ -33,8 +33,8 @@ from prefect.artifacts import (
 from prefect.filesystems import LocalFileSystem
 from prefect.futures import PrefectFuture
 
-from flows.credentials import export_secrets
-from flows.names import DISPLAY
+from flows.execution.credentials import export_secrets
+from flows.execution.names import DISPLAY
 from tasks.curation.waterfall import Waterfall, dashboard_markdown
 from tasks.runtime.shards import ShardStats, generation, is_done
 
@@ -43,6 +43,7 @@ from tasks.runtime.shards import ShardStats, generation, is_done
 STAGE_VERSIONS = {
     "metadata": 1,
     "filtered": 2,
+    "prefetch": 1,
     "shards": 1,
     "scores": 1,
     "selected": 2,
@@ -50,6 +51,7 @@ STAGE_VERSIONS = {
     "tokens": 1,
     "hf": 1,
     "latents": 2,
+    "partitions": 1,  # a partitioned global stage's tasks (flows/execution/partitioned.py)
 }
 # Stages that read from the network get retries; compute stages fail fast.
 IO_STAGES = {"metadata": 2, "shards": 2}
@@ -133,15 +135,15 @@ def shard_task(
     `inputs`: a digest of what the unit depends on besides its stage and shard (a view's
     profile and selection), so a change to them is a cache miss, not a cached "done".
 
-    Score and encode shards hand their work to a device worker (flows/devices.py), which holds
-    a slot of the GPU pool and its device while it works.
+    Score and encode shards hand their work to a device worker (flows/execution/devices.py), which
+    holds a slot of the GPU pool and its device while it works.
     """
     stats = run()
     logger = get_run_logger()
     verb = "already done" if stats.skipped else f"done in {stats.seconds:.1f}s"
     logger.info(
         "%s %s/%s %s on %s: %d in, %d out, dropped %s",
-        DISPLAY[stage],
+        DISPLAY.get(stage, stage),
         source,
         shard,
         verb,
@@ -197,11 +199,15 @@ class StageRun:
         inputs: dict[str, str] | None = None,
         expected: int = 0,
         done: Callable[[str], bool] | None = None,
+        name: str | None = None,
     ) -> Stage:
         """A stage of this run: `limit` task runs at once (None: no bound of its own);
         `expected`: the units it will get at most, for its progress; `done(shard)`: whether a
-        unit is done on disk (default: its record and outputs, `tasks.runtime.shards.is_done`)."""
-        one = Stage(self, stage, limit=limit, inputs=inputs, expected=expected, done=done)
+        unit is done on disk (default: its record and outputs, `tasks.runtime.shards.is_done`);
+        `name`: its task runs' and artifacts' name (default the stage's, `DISPLAY`)."""
+        one = Stage(
+            self, stage, limit=limit, inputs=inputs, expected=expected, done=done, name=name
+        )
         self.stages.append(one)
         return one
 
@@ -225,8 +231,10 @@ class Stage:
     fill (a cluster's, which grows as nodes join).
     """
 
-    def __init__(self, run: StageRun, stage: str, *, limit, inputs, expected: int, done=None):
-        self.run, self.stage, self.name = run, stage, DISPLAY[stage]
+    def __init__(
+        self, run: StageRun, stage: str, *, limit, inputs, expected: int, done=None, name=None
+    ):
+        self.run, self.stage, self.name = run, stage, name or DISPLAY[stage]
         self.limit = limit
         self.inputs = inputs or {}
         self.done_on_disk = done or (lambda shard: is_done(run.root, run.source, stage, shard))

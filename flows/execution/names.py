@@ -7,6 +7,7 @@ under a second.
 DISPLAY = {
     "metadata": "fetch-metadata",
     "filtered": "filter",
+    "prefetch": "prefetch-dedup",
     "shards": "fetch-images",
     "scores": "score",
     "selected": "filter-pixels",
