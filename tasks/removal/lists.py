@@ -141,6 +141,8 @@ def resolve_root(root: Path, wanted: Wanted) -> tuple[pa.Array, pa.Array]:
     """(URLs, keys) the list names over every source of a data root: its own URLs and keys, and
     those of each row a hash or sha256 of it matches in a source's sample tables or in the rows
     a removal took out (`removals/blocklist.parquet`: gone from the tables, still named here)."""
+    if not len(wanted.hash) and not len(wanted.sha256):
+        return wanted.url, wanted.key  # nothing to look up: the sets' copies hold both
     root = Path(root)
     parts = []
     for source_dir in sorted(p for p in root.iterdir() if p.is_dir()):
