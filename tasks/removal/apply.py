@@ -3,6 +3,8 @@
 Compaction, not a mask: every file holding a removed row is rewritten without it (temporary
 name, rename), kept generations (`latents/spec-*`, `tokens/kept*`) included and never kept
 aside, so no byte of a removed sample stays in an output; files without one are not touched.
+Eval summaries whose nearest-training-image pairs show a removed row lose those pairs, and the
+record says what the flow publishes again (`republish`: galleries, eval reports).
 The plan is taken before any file changes and kept beside the blocklist (`removals/<digest>.*`:
 the removed rows' identifiers, the row positions of the positional arrays, the counts each
 stats record ends with); each step is idempotent, so a kill at any moment and a rerun end where
