@@ -7,6 +7,7 @@ import json
 import shutil
 from hashlib import sha256
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -136,11 +137,11 @@ def test_lineage_is_the_trainers_draw(make_config, tmp_path, monkeypatch, capsys
     assert marked["key"].to_pylist() == [one]
 
 
-def test_the_list_takes_what_sdpipe_remove_takes(make_config, tmp_path, monkeypatch, capsys):
-    """`sdpipe lineage --list` resolves the metadata's hash and the image sha256 to the rows they
-    name, in the sample tables or, once removed, in the data root's blocklist (main took both
-    kinds of line for keys and found nothing)."""
-    root = tmp_path / "root"
+@pytest.fixture(scope="module")
+def trained(make_config, tmp_path_factory):
+    """A run on a two-shard set whose sample tables carry `hash` and `sha256`: (root, the step
+    each drawn key was first drawn for, config). Tests copy the root before changing it."""
+    root = tmp_path_factory.mktemp("trained") / "root"
     phase = build_set(root)
     for shard in sorted((root / "demo" / "shards").glob("*.parquet")):
         table = pq.read_table(shard)
@@ -149,7 +150,22 @@ def test_the_list_takes_what_sdpipe_remove_takes(make_config, tmp_path, monkeypa
         pq.write_table(table.append_column("hash", pa.array(hashes, pa.int64())).append_column(
             "sha256", pa.array(digests)), shard)  # fmt: skip
     config = make_config(root / "runs" / "demo", phase_dir=str(phase), sample_every=0)
-    drawn = first_steps(train_recording(config, monkeypatch), config.grad_accum)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        drawn = first_steps(train_recording(config, monkeypatch), config.grad_accum)
+    return SimpleNamespace(root=root, drawn=drawn, config=config)
+
+
+def copied(trained, tmp_path) -> Path:
+    root = tmp_path / "root"
+    shutil.copytree(trained.root, root)
+    return root
+
+
+def test_the_list_takes_what_sdpipe_remove_takes(trained, tmp_path, capsys):
+    """`sdpipe lineage --list` resolves the metadata's hash and the image sha256 to the rows they
+    name, in the sample tables or, once removed, in the data root's blocklist (main took both
+    kinds of line for keys and found nothing)."""
+    root, drawn = copied(trained, tmp_path), trained.drawn
     by_hash, by_sha = sorted(k for k in drawn if k.startswith("demo/00001"))[:2]
     listing = tmp_path / "list.txt"
     listing.write_text(f"{int(by_hash[-4:]) * 1000 + 1}\n{sha256(by_sha.encode()).hexdigest()}\n")
@@ -172,13 +188,10 @@ def test_the_list_takes_what_sdpipe_remove_takes(make_config, tmp_path, monkeypa
     assert who_saw(root, capsys, "--list", str(listing)) == []
 
 
-def test_a_copy_kept_before_compression_reads_the_same(make_config, tmp_path, monkeypatch):
+def test_a_copy_kept_before_compression_reads_the_same(trained, tmp_path):
     """Copies are zstd-compressed with a dictionary source now, the held-out rows kept beside;
     one an older sdpipe kept (plain strings, uncompressed, no held-out rows) lists the same."""
-    root = tmp_path / "root"
-    phase = build_set(root)
-    config = make_config(root / "runs" / "demo", phase_dir=str(phase), sample_every=0)
-    train_recording(config, monkeypatch)
+    root, config = copied(trained, tmp_path), trained.config
     final = root / "runs" / "demo" / "final"
     ((_, copy, _, _),) = lineage.drawn_by_set(final)
     table = pa.ipc.open_file(pa.memory_map(str(copy))).read_all()
