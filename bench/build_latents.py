@@ -64,9 +64,9 @@ def main() -> None:
     demo_catalog(work, args.images, args.shard_size)
     os.environ.setdefault("SDPIPE_DEVICE_LOCKS", str(work / "device-locks"))
 
-    from flows import pools
     from flows.build_latents import STAGES, build_latents
-    from flows.stages import DISPLAY
+    from flows.execution import pools
+    from flows.execution.stages import DISPLAY
     from tasks.runtime.shards import read_stats
 
     root = work / "data"

@@ -1,13 +1,13 @@
 """fetch-images on 1, 2 and 3 nodes of a local Ray cluster: images/s and scaling; prints JSON last.
 
 Per node count k: a fresh local cluster of k worker nodes (tests/ray_cluster.py: a CPU-less head
-and k raylets on this machine), `flows.cluster.Cluster` on it with the same downloader budget on
-every node (`--processes` x `--threads` requests in flight, `--fetch-shards` shard tasks at
-once, `--workers`), and `--urls-per-node` x k URLs from bench/fetch.py's latency server (its
+and k raylets on this machine), `flows.execution.cluster.Cluster` on it with the same downloader
+budget on every node (`--processes` x `--threads` requests in flight, `--fetch-shards` shard tasks
+at once, `--workers`), and `--urls-per-node` x k URLs from bench/fetch.py's latency server (its
 own process, [0.5, 1.5] x `--latency-ms`). The stage runs as build-latents runs it on a
-cluster: one Prefect task run per shard (`flows.stages.run_stage`, in a flow on a temporary
-server), each the shard's `fetch_images_shard` through `Cluster.unit` on the node with most
-room, the stage's limit the sum of the nodes' own (`stage_limits`).
+cluster: one Prefect task run per shard (`flows.execution.stages.run_stage`, in a flow on a
+temporary server), each the shard's `fetch_images_shard` through `Cluster.unit` on the node with
+most room, the stage's limit the sum of the nodes' own (`stage_limits`).
 
 The design choice a reader would get wrong: every node here shares this machine's cores, so the
 budget is kept small (and the JPEGs smaller than bench/fetch.py's) for the cores not to be the
@@ -141,8 +141,8 @@ def run_nodes(k: int, args, base: str) -> dict:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from flows.build_latents import TASK_THREADS, stage_limits, with_node
-    from flows.cluster import Cluster
-    from flows.stages import run_stage
+    from flows.execution.cluster import Cluster
+    from flows.execution.stages import run_stage
     from tasks.sources import fetch_images
     from tests.ray_cluster import LocalCluster
 

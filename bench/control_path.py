@@ -41,8 +41,8 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from flows.progress import Watcher  # noqa: E402
-from flows.status import format_status, status  # noqa: E402
+from flows.cli.progress import Watcher  # noqa: E402
+from flows.cli.status import format_status, status  # noqa: E402
 from sdtrain import layout  # noqa: E402
 from sdtrain.atomic import atomic_path  # noqa: E402
 from sdtrain.data import PhaseSet  # noqa: E402

@@ -33,7 +33,7 @@ def main() -> None:
     demo_catalog(work, args.images)
 
     from flows.build_latents import STAGES, build_latents
-    from flows.stages import DISPLAY
+    from flows.execution.stages import DISPLAY
     from tasks.runtime.shards import read_stats
 
     root = work / "data"

@@ -5,7 +5,7 @@ reverse query of 10,000 URLs (half drawn, half not) over the ten. Each query run
 process: its seconds and peak RSS are its own. Prints JSON lines; the last carries `seconds`
 (the slower query) and `peak_rss_gb`.
 
-    python bench/lineage.py --rows 10000000 [--dir /tmp/lineage-bench] [--keep]
+    python bench/lineage.py --rows 10000000 [--copy zstd|plain] [--cold] [--dir D] [--keep]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -28,7 +29,15 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from sdtrain.lineage import BATCH_ROWS, Segment, set_copy
+from sdtrain.data import split_rows
+from sdtrain.lineage import (
+    BATCH_ROWS,
+    COPY_OPTIONS,
+    Segment,
+    copy_schema,
+    keep_held_out,
+    set_copy,
+)
 
 DIGEST = "0" * 64  # the stand-in set's digest
 RANKS, BATCH, NUM_VAL = 8, 125, 1000
@@ -72,19 +81,29 @@ def urls_of(rows: np.ndarray) -> pa.Array:
     )  # fmt: skip
 
 
-def build(directory: Path, num_rows: int) -> None:
+def build(directory: Path, num_rows: int, plain: bool = False) -> None:
+    """The copy as the trainer keeps it (`keep_set`, `keep_held_out`), or with `plain` as sdpipe
+    kept it before (uncompressed, source as plain strings, no held-out rows)."""
     run = directory / "runs" / "phase-1"
     copy = set_copy(run, DIGEST)
     copy.parent.mkdir(parents=True, exist_ok=True)
-    schema = pa.schema([(c, pa.string()) for c in ("key", "source", "url", "caption")])
-    with pa.OSFile(str(copy), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+    schema = copy_schema(bucketed=False)
+    sources = pa.array(["laion"])
+    if plain:
+        schema = schema.set(1, pa.field("source", pa.string()))
+    else:
+        keep_held_out(copy, 0, split_rows(num_rows, NUM_VAL, 0)[1])
+    options = None if plain else COPY_OPTIONS
+    with (
+        pa.OSFile(str(copy), "wb") as sink,
+        pa.ipc.new_file(sink, schema, options=options) as writer,
+    ):
         for start in range(0, num_rows, BATCH_ROWS):
             rows = np.arange(start, min(start + BATCH_ROWS, num_rows), dtype=np.int64)
             n = len(rows)
             key = _text(["laion/", _digits(rows // 10_000, 6), "/", _digits(rows, 10)], n)
-            source = pa.DictionaryArray.from_arrays(
-                pa.array(np.zeros(n, np.int32)), pa.array(["laion"])
-            ).dictionary_decode()
+            source = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), sources)
+            source = source.dictionary_decode() if plain else source
             caption = _text(["a photo of object ", _digits(rows, 10), " on a table"], n)
             writer.write_batch(
                 pa.record_batch([key, source, urls_of(rows), caption], schema=schema)
@@ -103,8 +122,22 @@ def build(directory: Path, num_rows: int) -> None:
         (folder / "lineage.json").write_text(json.dumps({"segments": [segment.to_json()]}))
 
 
-def query(directory: Path, what: str, num_rows: int) -> dict:
+def evict(directory: Path) -> None:
+    """The copy's pages out of the page cache (this file only), as on a machine whose cache
+    cannot hold it."""
+    for path in (directory / "runs").rglob("lineage/*"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def query(directory: Path, what: str, num_rows: int, cold: bool = False) -> dict:
     from tasks.phases import lineage
+
+    if cold:
+        evict(directory)
 
     if what == "lineage":
         started = time.perf_counter()
@@ -138,15 +171,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--dir", type=Path, help="work folder (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument(
+        "--copy", choices=["zstd", "plain"], default="zstd",
+        help="the copy as the trainer keeps it, or as sdpipe kept it before (for comparison)",
+    )  # fmt: skip
+    parser.add_argument("--cold", action="store_true", help="the copy out of the page cache first")
     parser.add_argument("--query", choices=["lineage", "reverse"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.query:
-        print(json.dumps(query(args.dir, args.query, args.rows)), flush=True)
+        print(json.dumps(query(args.dir, args.query, args.rows, args.cold)), flush=True)
         return
     directory = args.dir or Path(tempfile.mkdtemp(prefix="lineage-bench-"))
     try:
         started = time.perf_counter()
-        build(directory, args.rows)
+        build(directory, args.rows, plain=args.copy == "plain")
         copy_gb = set_copy(directory / "runs" / "phase-1", DIGEST).stat().st_size / 2**30
         built = {"built_s": round(time.perf_counter() - started, 1), "rows": args.rows}
         print(json.dumps({**built, "copy_gb": round(copy_gb, 2)}), flush=True)
@@ -154,7 +192,7 @@ def main() -> None:
         for what in ("lineage", "reverse"):
             out = subprocess.run(
                 [sys.executable, __file__, "--query", what, "--dir", str(directory),
-                 "--rows", str(args.rows)],
+                 "--rows", str(args.rows), *(["--cold"] if args.cold else [])],
                 check=True, capture_output=True, text=True,
             ).stdout  # fmt: skip
             results.append(json.loads(out.strip().splitlines()[-1]))
@@ -164,6 +202,8 @@ def main() -> None:
                 {
                     "bench": "lineage",
                     "rows": args.rows,
+                    "copy": args.copy,
+                    "cold": args.cold,
                     "checkpoints": NUM_CHECKPOINTS,
                     "lineage_s": results[0]["seconds"],
                     "reverse_s": results[1]["seconds"],

@@ -258,7 +258,7 @@ def main() -> None:
     args = parser.parse_args()
     budgets = [int(x) for x in args.workers.split(",")]
 
-    from flows import local
+    from flows.cli import local
     from tasks.runtime.net import free_port
 
     work = Path(tempfile.mkdtemp(prefix="bench-node-budget-"))

@@ -3,7 +3,7 @@
 Starts a throwaway PostgreSQL cluster and a Prefect server on it (basic auth on, as in
 infra/docker-compose.yml), or a SQLite server with `--database sqlite` for comparison, then
 runs the `sdpipe-load` flow in this process: `--shards` shard tasks through the real stage
-path (flows/stages.run_stage: named task runs, cache keys, persisted results, progress and
+path (flows/execution/stages.run_stage: named task runs, cache keys, persisted results, progress and
 counts artifacts, 2 worker threads as build-latents) doing trivial work. After the flow
 returns it waits until this process has sent every event (task run states travel as events),
 then counts the task runs the server holds until they reach the number run (or `--wait`
@@ -54,7 +54,8 @@ def main() -> int:
     from prefect.events.worker import EventsWorker
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    from flows import broker, loadtest, local, postgres
+    from flows import loadtest
+    from flows.cli import broker, local, postgres
     from tasks.runtime.net import free_port
 
     work = Path(tempfile.mkdtemp(prefix="sdpipe-orch-"))

@@ -10,7 +10,7 @@ builds its `Node` once, tasks/runtime/node.py, and passes it to every stage func
 process pools live within it), each stage with its own bound: fetch `concurrency.fetch_shards`,
 repack `concurrency.pooled_shards` (into the shared decode pool), tokenize `workers` shards
 (in processes above 2), score and encode one long-lived worker per device of the GPU pool
-(flows/devices.py). Per-shard stages overlap where no global step sits between them: a
+(flows/execution/devices.py). Per-shard stages overlap where no global step sits between them: a
 shard is scored as soon as it is fetched, encoded as soon as it is tokenized.
 """
 
@@ -26,11 +26,11 @@ from prefect.states import Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from catalog import Catalog, CatalogError, Source, load_catalog
-from flows import partitioned, pools
-from flows.cluster import ClusterError
-from flows.devices import read_ahead, warm_file
-from flows.executor import Executor, LocalExecutor, executor
-from flows.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
+from flows.execution import partitioned, pools
+from flows.execution.cluster import ClusterError
+from flows.execution.devices import read_ahead, warm_file
+from flows.execution.executor import Executor, LocalExecutor, executor
+from flows.execution.stages import DISPLAY, Stage, StageFailed, StageRun, publish_waterfall
 from sdtrain.lazy import BUILD_LOCK
 from tasks.curation import filter, filter_pixels, prefetch, score, selection, views
 from tasks.curation.score import ScoringWeightsError
@@ -117,8 +117,8 @@ def build_latents(
     `workers`: the node's worker budget (default `SDPIPE_WORKERS`, else the cores); each
     stage's concurrency derives from it, score and encode from the node's devices.
     `cluster`: a Ray cluster's address (default `RAY_ADDRESS`; none: this node): every
-    per-shard stage then runs on its nodes (flows/cluster.py), `workers` each (default: the
-    node's CPUs)."""
+    per-shard stage then runs on its nodes (flows/execution/cluster.py), `workers` each (default:
+    the node's CPUs)."""
     logger = get_run_logger()
     root = shards.data_root(data_root)
     try:
@@ -245,7 +245,7 @@ def run_source(
     *,
     hf_dataset: bool = False,
 ) -> None:
-    """Every stage of `src` on the executor's nodes (`flows.executor`: this node, or a Ray
+    """Every stage of `src` on the executor's nodes (`flows.execution.executor`: this node, or a Ray
     cluster's)."""
     name = src.name
     profile = catalog.profile(src.profile)
@@ -446,7 +446,7 @@ def select_pixels(root: Path, name: str, profile, identity: dict | None, phash=N
     """filter-pixels (scored when the scorer's `identity` is given); semantic dedup computes on
     a device of the node's GPU pool (CPU without GPUs), holding its slot, so it never shares a
     GPU with score, encode or a training. `phash`: its pHash level's losers
-    (`flows.partitioned.select_pixels`)."""
+    (`flows.execution.partitioned.select_pixels`)."""
     options = dict(scored=identity is not None, scorer_identity=identity, phash=phash)
     if "semantic" not in profile.dedup:
         return filter_pixels.select_pixels(root, name, profile, **options)

@@ -8,8 +8,8 @@ rows: `resume_remixed`, a new lineage segment). Phase N starts from phase N-1's 
 and the flow refuses to start before they exist. After training, the phase is evaluated on its
 eval set (flows/evaluate.py), whose networks are checked before training starts.
 Trainer lines stream into the logs and a progress artifact. A training holds the slots of its
-node's GPU pool (flows/pools.py: the global concurrency limit `sdpipe-gpu-<pool>`) for every
-GPU it uses, so it never shares GPUs with score/encode shards or another training; on more
+node's GPU pool (flows/execution/pools.py: the global concurrency limit `sdpipe-gpu-<pool>`) for
+every GPU it uses, so it never shares GPUs with score/encode shards or another training; on more
 than one node (the phase's `nodes`, or the flow's) it trains through the Ray cluster, whose
 placement group holds the nodes' GPUs instead (tasks/phases/train_nodes.py). A failed
 training leaves `runs/<phase>/failed.json` (for `sdpipe status`); a successful one removes it.
@@ -33,8 +33,9 @@ from prefect.artifacts import (
 from prefect.states import Failed
 
 from catalog import Catalog, CatalogError, Phase, load_catalog
-from flows import evaluate, lineage, pools, train_pictures
-from flows.credentials import export_secrets
+from flows import evaluate, lineage, train_pictures
+from flows.execution import pools
+from flows.execution.credentials import export_secrets
 from tasks.phases import mix, plan
 from tasks.phases.train import (
     TrainingFailed,
@@ -176,7 +177,7 @@ def train_task(
     start = time.monotonic()
     try:
         if on_nodes(nodes, cluster):
-            from flows.cluster import train_on_nodes
+            from flows.execution.cluster import train_on_nodes
 
             summary = train_on_nodes(
                 config, nodes=nodes, cluster=cluster, on_line=live.watching(on_line)

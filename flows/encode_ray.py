@@ -19,8 +19,8 @@ from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
 from catalog import Model, load_catalog
-from flows.cluster import forwarded_env
-from flows.stages import publish_counts
+from flows.execution.cluster import forwarded_env
+from flows.execution.stages import publish_counts
 from tasks.latents import encode
 from tasks.runtime import shards
 from tasks.runtime.ray_connect import connect, disconnect
@@ -29,8 +29,8 @@ from tasks.runtime.shards import read_stats, summarize
 
 class SdpipeRayTaskRunner(RayTaskRunner):
     """A RayTaskRunner whose workers get this process's Prefect API (they report their task
-    runs to it), sdpipe settings and checkout (`flows.cluster.forwarded_env`), read when the
-    flow starts, not at import."""
+    runs to it), sdpipe settings and checkout (`flows.execution.cluster.forwarded_env`), read when
+    the flow starts, not at import."""
 
     def __enter__(self):
         runtime_env = self.init_kwargs.setdefault("runtime_env", {})

@@ -22,8 +22,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
 from catalog import CatalogError, load_catalog
-from flows import pools
-from flows.stages import PROGRESS_EVERY_S
+from flows.execution import pools
+from flows.execution.stages import PROGRESS_EVERY_S
 from sdtrain.weights import WeightsNotFound
 from tasks.curation.score import ScoringWeightsError
 from tasks.evaluation import eval_report, evaluate, fid

@@ -3,8 +3,8 @@ train (torchrun, the trainer's one loop) -> export, one deployment `finetune/<na
 
 A run's `settings` (a sweep's value) override the entry's and its files land under
 `<root>/finetunes/<name>/runs/<run_name>/`. Preparation holds one device of the node's GPU pool
-and training `num_gpus` of them (flows/pools.py), claimed devices made the ranks' visible ones,
-so the runs of a sweep train side by side where the pool has slots, in turn where it has not.
+and training `num_gpus` of them (flows/execution/pools.py), claimed devices made the ranks' visible
+ones, so the runs of a sweep train side by side where the pool has slots, in turn where it has not.
 On more than one node (the entry's `nodes`, or the flow's) training goes through the Ray
 cluster instead, every GPU of each node (tasks/phases/train_nodes.py).
 """
@@ -26,9 +26,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
 from catalog import CatalogError, Finetune, load_catalog
-from flows import pools, train_pictures
+from flows import train_pictures
 from flows.curriculum import on_nodes, parse_step_line
-from flows.stages import artifact_key
+from flows.execution import pools
+from flows.execution.stages import artifact_key
 from sdtrain.models import ModelLoadError
 from sdtrain.weights import WeightsNotFound
 from tasks.finetune import data as ft
@@ -117,7 +118,7 @@ def train_task(
         Path(config.run_dir), key=f"{key}-train-pictures", title=f"{spec.name}/{run_name}"
     )
     if on_nodes(nodes, cluster):  # the placement group holds the nodes' GPUs
-        from flows.cluster import train_on_nodes
+        from flows.execution.cluster import train_on_nodes
 
         summary = train_on_nodes(
             config, nodes=nodes, cluster=cluster, on_line=live.watching(on_line)
@@ -257,7 +258,7 @@ def submit_sweep(
         except ObjectNotFound:
             raise ft.FinetuneError(
                 f"deployment {deployment} is not on the server at {client.api_url}: "
-                "`prefect deploy --all` (or python -m flows.serve) first"
+                "`prefect deploy --all` (or python -m flows.cli.serve) first"
             ) from None
     return [
         run_deployment(

@@ -1,9 +1,9 @@
 """generate: prompts x seeds -> PNG files + index.parquet, from a trained run's weights.
 
 On one machine the batch holds slots of the node's GPU pool and one worker runs on each device
-those slots claim (flows/pools.py), so it never shares a GPU with score, encode or training.
-With RAY_ADDRESS set it runs on that Ray cluster instead (Ray Data, one actor per GPU), where
-Ray owns the GPUs. Rerunning a batch makes only the images its folder lacks.
+those slots claim (flows/execution/pools.py), so it never shares a GPU with score, encode or
+training. With RAY_ADDRESS set it runs on that Ray cluster instead (Ray Data, one actor per GPU),
+where Ray owns the GPUs. Rerunning a batch makes only the images its folder lacks.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Failed
 
-from flows import pools
-from flows.stages import PROGRESS_EVERY_S, artifact_key
+from flows.execution import pools
+from flows.execution.stages import PROGRESS_EVERY_S, artifact_key
 from sdtrain.sampling import image_grid
 from sdtrain.weights import WeightsNotFound
 from tasks.generation import generate as gen
@@ -102,7 +102,7 @@ def generate_task(
 
 
 def _on_ray(prompts, weights, out_dir, seeds, num_devices, kwargs):
-    from flows.cluster import forwarded_env
+    from flows.execution.cluster import forwarded_env
     from tasks.generation.generate_ray import generate_images_on_ray
     from tasks.runtime.ray_connect import connection
 

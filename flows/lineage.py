@@ -10,9 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from tasks.phases import lineage
+from tasks.removal import lists
 from tasks.runtime.shards import data_root
 
 FLAGS_ARTIFACT = "lineage-removed"
@@ -34,22 +33,14 @@ def add_parser(sub) -> None:
     p.add_argument("--url", action="append", default=[], help="a URL (repeatable)")
     p.add_argument("--key", action="append", default=[], help="a sample key (repeatable)")
     p.add_argument(
-        "--list", type=Path, help="URLs or keys: parquet (`url`, `key` columns) or one per line"
+        "--list",
+        type=Path,
+        help="URLs, the metadata's hashes, image sha256s or sample keys, as `sdpipe remove "
+        "--list` takes them: parquet (columns among url, hash, sha256, key) or one per line",
     )
     p.add_argument("--json", action="store_true", help="JSON (a checkpoint's rows: JSON lines)")
     p.add_argument("--parquet", type=Path, help="write the checkpoint's rows to this file")
     p.set_defaults(fn=cmd_lineage)
-
-
-def read_list(path: Path) -> tuple[list[str], list[str]]:
-    """(urls, keys) of a list file: parquet columns `url`/`key`, or lines (a URL has `://`)."""
-    if path.suffix == ".parquet":
-        names = pq.read_schema(path).names
-        table = pq.read_table(path, columns=[c for c in ("url", "key") if c in names])
-        pick = {c: table[c].drop_null().to_pylist() for c in table.column_names}
-        return pick.get("url", []), pick.get("key", [])
-    lines = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    return [v for v in lines if "://" in v], [v for v in lines if "://" not in v]
 
 
 def _checkpoint(root: Path, given: Path) -> Path:
@@ -64,8 +55,12 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     root = data_root(args.data_root)
     urls, keys = list(args.url), list(args.key)
     if args.list:
-        more_urls, more_keys = read_list(args.list)
-        urls, keys = urls + more_urls, keys + more_keys
+        try:  # the identifiers `sdpipe remove --list` takes, resolved the same way
+            more_urls, more_keys = lists.resolve_root(root, lists.read_list(args.list))
+        except lists.RemovalError as e:
+            print(f"sdpipe: error: {e}", file=sys.stderr)
+            return 2
+        urls, keys = urls + more_urls.to_pylist(), keys + more_keys.to_pylist()
     try:
         if urls or keys:
             return _print_who_saw(lineage.who_saw(root, urls=urls, keys=keys), args.json)

@@ -1,7 +1,7 @@
 """sdpipe-load: many shard tasks that do trivial work, to measure what orchestration costs and
 to check that a server records every task run; with `parts > 1`, one run split across workers.
 
-Each shard goes through the same path as a real stage shard (flows/stages.run_stage: one
+Each shard goes through the same path as a real stage shard (flows/execution/stages.run_stage: one
 named task run per shard, cache key, persisted result, progress and counts artifacts); only the
 work is trivial. With `parts > 1` the run starts `parts` child runs of the deployment
 `sdpipe-load/<deployment>` and waits for them: every idle worker of the pool takes one, so the
@@ -24,7 +24,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.stages import run_stage
+from flows.execution.stages import run_stage
 from tasks.runtime import shards as shard_io
 from tasks.runtime.shards import ShardStats
 

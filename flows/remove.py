@@ -2,15 +2,17 @@
 
 The stage logic is tasks/removal (plan, then idempotent per-file steps; compaction, never a
 mask); this flow checks the list before anything changes, runs it, publishes the filter
-galleries again without the removed samples and a removal artifact (rows per stage, files
-rewritten, phase sets re-linked, what could not be rewritten) and the lineage flags of the
-checkpoints that trained on removed rows. `sdpipe remove` runs it here
-(`cmd_remove`: the command's work, its arguments parsed in flows/cli.py).
+galleries and eval grids that showed a removed image again without it (their older artifact
+versions deleted), a removal artifact (rows per stage, files rewritten, phase sets re-linked,
+what could not be rewritten) and the lineage flags of the checkpoints that trained on removed
+rows. `sdpipe remove` runs it here (`cmd_remove`: the command's work, its arguments parsed in
+flows/cli/commands.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -19,6 +21,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.states import Failed
 
 from catalog import CatalogError, load_catalog
+from tasks.curation.waterfall import Waterfall
+from tasks.evaluation.evaluate import CHOICE, SUMMARY, eval_dir
 from tasks.latents import hf_export
 from tasks.removal import apply, lists
 from tasks.removal.lists import RemovalError
@@ -75,6 +79,11 @@ def removal_markdown(record: dict) -> str:
     lines += [f"- `{md(f)}`" for f in record["files_rewritten"][:200]]
     if record["phase_sets"]:
         lines += ["", "Phase sets re-linked without the rows: " + ", ".join(record["phase_sets"])]
+    shown = [*record.get("republish", {}).get("galleries", [])]
+    shown += record.get("republish", {}).get("eval_reports", [])
+    if shown:
+        lines += ["", "Published again without the removed images (older versions deleted):"]
+        lines += [f"- `{md(f)}`" for f in shown]
     if record["not_rewritten"]:
         lines += ["", "Not rewritten (they show what runs trained on):"]
         lines += [f"- `{md(f)}`" for f in record["not_rewritten"][:200]]
@@ -89,7 +98,6 @@ def remove(
     line) from every output of `source` under the data root; `widen`: also every sample with
     the same picture (sha256, or pHash within the profile's near-duplicate distance)."""
     from flows.lineage import publish_removed_flags
-    from flows.stages import publish_waterfall
 
     logger = get_run_logger()
     root = shards.data_root(data_root)
@@ -98,9 +106,7 @@ def remove(
     except (CatalogError, RemovalError) as e:
         logger.error(str(e))
         return Failed(message=str(e))
-    d = root / source
-    for folder in ("filtered", "selected"):
-        publish_waterfall(source, d / folder / "waterfall.json", d / folder / "gallery.html")
+    republished = republish(root, source, record)
     create_markdown_artifact(
         removal_markdown(record),
         key=f"{source}-removal-{record['list_sha256'][:16]}",
@@ -108,11 +114,62 @@ def remove(
     )
     # The checkpoints that trained on rows removed now, flagged on the dashboard (and status).
     flagged = [f["checkpoint"] for f in publish_removed_flags(root)]
-    return {k: v for k, v in record.items() if k not in ("steps", "counts")} | {"flagged": flagged}
+    kept = {k: v for k, v in record.items() if k not in ("steps", "counts")}
+    return kept | {"flagged": flagged, "republished": republished}
+
+
+def republish(root: Path, source: str, record: dict) -> list[str]:
+    """The galleries and eval grids that showed a removed image (the record's `republish`), as
+    new versions of their artifacts; the older versions, which embed it, are deleted from the
+    server. Run again after a kill, it publishes the same. Returns the artifact keys."""
+    from flows import evaluate
+    from flows.execution import stages
+    from tasks.evaluation import eval_report
+
+    d, keys = root / source, []
+    wanted = record.get("republish", {})
+    for rel in wanted.get("galleries", []):
+        report = d / rel
+        gallery = report.with_name(report.name.replace("waterfall.json", "gallery.html"))
+        stages.publish_waterfall(source, report, gallery)
+        keys.append(stages.artifact_key(source, Waterfall.read(report).stage, "gallery"))
+    for rel in wanted.get("eval_reports", []):
+        summary_path = root / rel
+        phase = summary_path.relative_to(root / "runs").parts[0]
+        if summary_path != eval_dir(root, phase) / SUMMARY:
+            continue  # a candidate checkpoint's: its pairs are published with the phase's
+        summary = json.loads(summary_path.read_text())
+        grid = eval_report.grid_markdown(root, summary)
+        if (choice := eval_dir(root, phase) / CHOICE).is_file():
+            grid += eval_report.choice_markdown(json.loads(choice.read_text()))
+        keys.append(evaluate.artifact_key(phase, "grid"))
+        create_markdown_artifact(
+            grid, key=keys[-1], description=f"eval {phase}: published again after a removal"
+        )
+    delete_older_versions(keys)
+    return keys
+
+
+def delete_older_versions(keys: list[str]) -> None:
+    """Every version of each artifact key but the newest."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    if not keys:
+        return
+    with get_client(sync_client=True) as client:
+        for key in keys:
+            versions = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                sort=ArtifactSort.CREATED_DESC,
+            )
+            for older in versions[1:]:
+                client.delete_artifact(older.id)
 
 
 def cmd_remove(args: argparse.Namespace) -> int:
-    from flows.local import prefect_api
+    from flows.cli.local import prefect_api
 
     root = shards.data_root(args.data_root)
     try:

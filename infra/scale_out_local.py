@@ -42,8 +42,9 @@ def main() -> int:
 
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    from flows import broker, loadtest, local, postgres
-    from flows.pools import gpu_limit_name
+    from flows import loadtest
+    from flows.cli import broker, local, postgres
+    from flows.execution.pools import gpu_limit_name
     from tasks.runtime.net import free_port
 
     if reason := postgres.unavailable_reason():

@@ -27,6 +27,24 @@ from sdtrain.data import BucketBatchSampler, EpochSampler, split_rows
 SETS = "lineage"  # `<run_dir>/lineage/<digest>.arrow`: a set's rows, manifest order
 BATCH_ROWS = 1 << 20  # rows per record batch of a set's copy (what one read maps)
 COLUMNS = ("key", "source", "url", "caption")
+# A copy's buffers are zstd-compressed: a checkpoint's rows are scattered over every page of
+# the set, so a listing reads the whole copy, and at 100M rows that is disk, not CPU (issue 36).
+COPY_OPTIONS = pa.ipc.IpcWriteOptions(compression="zstd")
+SOURCE_TYPE = pa.dictionary(pa.int32(), pa.string())  # a few sources over many rows
+
+
+def copy_schema(bucketed: bool) -> pa.Schema:
+    fields = [pa.field(c, SOURCE_TYPE if c == "source" else pa.string()) for c in COLUMNS]
+    if bucketed:
+        fields.append(pa.field("bucket", pa.dictionary(pa.int32(), pa.string())))
+    return pa.schema(fields)
+
+
+def source_column(values: pa.Array, names: pa.Array) -> pa.DictionaryArray:
+    """`values` (strings) as the copy's source column over the set's sorted source `names`: one
+    dictionary for the whole file (the IPC file format keeps one per column)."""
+    indices = pc.index_in(pc.cast(values, pa.string()), value_set=names)
+    return pa.DictionaryArray.from_arrays(pc.cast(indices, pa.int32()), names)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -107,16 +125,17 @@ def keep_set(phase_dir: str | Path, run_dir: str | Path, digest: str, buckets=No
     phase_dir = Path(phase_dir)
     root = phase_dir.parent.parent
     manifest = pq.ParquetFile(phase_dir / layout.MANIFEST)
-    fields = [pa.field(c, pa.string()) for c in COLUMNS]
-    if buckets is not None:
-        fields.append(pa.field("bucket", pa.dictionary(pa.int32(), pa.string())))
-    schema = pa.schema(fields)
+    schema = copy_schema(buckets is not None)
+    names = set()
+    for batch in manifest.iter_batches(BATCH_ROWS, columns=["source"]):
+        names.update(pc.unique(pc.cast(batch.column(0), pa.string())).to_pylist())
+    names = pa.array(sorted(names), pa.string())
     samples = _SampleTables(root)
     out.parent.mkdir(parents=True, exist_ok=True)
     with (
         atomic_path(out) as tmp,
         pa.OSFile(str(tmp), "wb") as sink,
-        pa.ipc.new_file(sink, schema) as writer,
+        pa.ipc.new_file(sink, schema, options=COPY_OPTIONS) as writer,
     ):
         start = 0
         for batch in manifest.iter_batches(BATCH_ROWS, columns=["key", "source", "shard"]):
@@ -124,7 +143,7 @@ def keep_set(phase_dir: str | Path, run_dir: str | Path, digest: str, buckets=No
             url, caption = samples.lookup(table)
             columns = [
                 pc.cast(table["key"], pa.string()),
-                pc.cast(table["source"], pa.string()),
+                source_column(table["source"], names),
                 url,
                 caption,
             ]
@@ -186,18 +205,42 @@ class _SampleTables:
 # ---- the draw, replayed -------------------------------------------------------------------------
 
 
+def held_out_path(copy: Path, seed: int, num_val: int) -> Path:
+    """The rows the trainer held out for validation (`split_rows`), kept beside the set's copy:
+    at 100M rows the split's full permutation is ~13 s of a listing, the mask of them ~0.3 s."""
+    return Path(copy).with_name(f"{Path(copy).stem}.held-out-{seed}-{num_val}.npy")
+
+
+def keep_held_out(copy: Path, seed: int, val_rows: np.ndarray) -> None:
+    path = held_out_path(copy, seed, len(val_rows))
+    if not path.is_file():
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.save(f, np.asarray(val_rows, np.int64))
+
+
 @functools.lru_cache(maxsize=1)
-def _training_rows(num_rows: int, num_val: int, seed: int) -> np.ndarray:
+def _training_rows(num_rows: int, num_val: int, seed: int, held_out: str = "") -> np.ndarray:
     """The trainer's training rows (`split_rows`), int32 where they fit (cached: the checkpoints of
-    one run share them)."""
-    rows, _ = split_rows(num_rows, num_val, seed)
+    one run share them); from the held-out rows the trainer kept (`held_out`) where there."""
+    val = np.load(held_out) if held_out and Path(held_out).is_file() else None
+    if val is not None and len(val) == num_val:
+        training = np.ones(num_rows, bool)
+        training[val] = False
+        rows = np.flatnonzero(training)
+    else:
+        rows, _ = split_rows(num_rows, num_val, seed)
     return rows.astype(np.int32) if num_rows < 2**31 else rows
+
+
+def _rows_of(segment: Segment, copy: Path | None) -> np.ndarray:
+    held_out = held_out_path(copy, segment.seed, segment.num_val) if copy is not None else ""
+    return _training_rows(segment.num_rows, segment.num_val, segment.seed, str(held_out))
 
 
 _SAMPLER: dict = {}  # the last sampler rebuilt: the checkpoints of one run share it
 
 
-def _sampler(segment: Segment, buckets=None):
+def _sampler(segment: Segment, buckets=None, copy: Path | None = None):
     """The segment's sampler as rank 0 built it (its set's buckets a function of the set)."""
     key = dataclasses.replace(
         segment, phase_dir="", first_step=0, last_step=0, start=(0, 0), end=(0, 0), grad_accum=0
@@ -205,7 +248,7 @@ def _sampler(segment: Segment, buckets=None):
     if key not in _SAMPLER:
         _SAMPLER.clear()
         _ORDERS.clear()
-        rows = _training_rows(segment.num_rows, segment.num_val, segment.seed)
+        rows = _rows_of(segment, copy)
         if segment.sampler == "bucket":
             codes, names = buckets
             _SAMPLER[key] = BucketBatchSampler(
@@ -239,7 +282,7 @@ def _epoch_order(sampler: EpochSampler, epoch: int) -> np.ndarray:
     return _ORDERS[key]
 
 
-def _micro_batches(segment: Segment, sampler, epoch: int, a: int, b: int):
+def _micro_batches(segment: Segment, sampler, epoch: int, a: int, b: int, copy: Path | None):
     """(manifest rows, micro-batch sizes) of micro-batches [a, b) of an epoch, all ranks'."""
     if segment.sampler == "bucket":
         order, starts, sizes = sampler.plan(epoch)
@@ -249,15 +292,16 @@ def _micro_batches(segment: Segment, sampler, epoch: int, a: int, b: int):
         return order[first + np.arange(int(sizes.sum()))], sizes
     per = segment.batch_size * segment.world_size
     order = _epoch_order(sampler, epoch)[a * per : b * per]
-    rows = _training_rows(segment.num_rows, segment.num_val, segment.seed)
-    return rows[order], np.full(b - a, per)
+    return _rows_of(segment, copy)[order], np.full(b - a, per)
 
 
-def drawn(segment: Segment, buckets=None) -> tuple[np.ndarray, np.ndarray]:
+def drawn(
+    segment: Segment, buckets=None, copy: Path | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(manifest rows, the optimizer step each was drawn for) of every micro-batch all ranks read
     in the segment, in the order read: the trainer's samplers replayed from `start` to `end`.
     `buckets` = (codes per manifest row, bucket names) for a bucketed segment."""
-    sampler = _sampler(segment, buckets)
+    sampler = _sampler(segment, buckets, copy)
     if segment.sampler == "bucket":
         per_epoch, unit = sampler.num_batches, 1
     else:
@@ -270,7 +314,7 @@ def drawn(segment: Segment, buckets=None) -> tuple[np.ndarray, np.ndarray]:
         a, b = min(a, per_epoch), min(b, per_epoch)
         if b <= a:
             continue
-        part, sizes = _micro_batches(segment, sampler, epoch, a, b)
+        part, sizes = _micro_batches(segment, sampler, epoch, a, b, copy)
         step = segment.first_step + (done + np.arange(b - a)) // segment.grad_accum + 1
         rows.append(part)
         steps.append(np.repeat(step.astype(np.int32), sizes))
@@ -286,22 +330,28 @@ def drawn(segment: Segment, buckets=None) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(rows), np.concatenate(steps)
 
 
-def first_draws(segment: Segment, buckets=None) -> tuple[np.ndarray, np.ndarray]:
+def first_draws(
+    segment: Segment, buckets=None, copy: Path | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(distinct manifest rows sorted, the step each was first drawn for) of a segment."""
-    rows, steps = drawn(segment, buckets)
+    rows, steps = drawn(segment, buckets, copy)
     unique, first = np.unique(rows, return_index=True)  # first: the earliest place, in draw order
     return unique, steps[first]
 
 
 def set_batches(path: Path, columns: list[str]) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(first row, batch of `columns`) of a set's copy, each batch mapped and let go on its own:
-    what a query touches of a 100M-row file stays one batch's pages."""
+    what a query touches of a 100M-row file stays one batch's pages. Only `columns` are read
+    (and decompressed)."""
     with pa.memory_map(str(path)) as source:
-        num_batches = pa.ipc.open_file(source).num_record_batches
+        reader = pa.ipc.open_file(source)
+        num_batches, names = reader.num_record_batches, reader.schema.names
+    fields = [names.index(c) for c in columns] if columns else None
+    options = pa.ipc.IpcReadOptions(included_fields=sorted(fields) if fields else None)
     start = 0
     for i in range(num_batches):
         with pa.memory_map(str(path)) as source:
-            batch = pa.ipc.open_file(source).get_batch(i)
+            batch = pa.ipc.open_file(source, options=options).get_batch(i)
             batch = batch.select(columns) if columns else batch
             length = batch.num_rows
             yield start, batch
@@ -338,6 +388,7 @@ class RunLineage:
                 position[0] if recorded is None else recorded.get("unrecorded_steps", 0)
             )
         self.dataset = data.dataset if isinstance(data.dataset, PhaseSet) else None
+        self.val_rows = data.val_rows
         step, epoch, done = position
         self.current = Segment(
             set=digest,
@@ -362,6 +413,7 @@ class RunLineage:
         buckets = None
         if self.current.sampler == "bucket":
             buckets = (self.dataset.bucket_of_row, self.dataset.bucket_names)
-        keep_set(self.phase_dir, self.run_dir, self.current.set, buckets)
+        copy = keep_set(self.phase_dir, self.run_dir, self.current.set, buckets)
+        keep_held_out(copy, self.current.seed, self.val_rows)
         current = dataclasses.replace(self.current, last_step=step, end=(epoch, done))
         return segments_json(extend(self.earlier, current), self.unrecorded)

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# The GPU pool's device locks (flows/pools.py) live in /tmp/sdpipe-devices by default: one
+# The GPU pool's device locks (flows/execution/pools.py) live in /tmp/sdpipe-devices by default: one
 # folder per test process, so parallel test workers (and other checkouts' suites on this
 # machine) never wait on each other's "devices".
 os.environ.setdefault("SDPIPE_DEVICE_LOCKS", tempfile.mkdtemp(prefix="sdpipe-test-locks-"))
@@ -47,7 +47,7 @@ def small_catalog(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prefect_stack(tmp_path_factory, small_catalog):
     """(data root, port) of a running Prefect server + worker with all deployments."""
-    from flows import local
+    from flows.cli import local
     from tasks.runtime.net import free_port
 
     root = tmp_path_factory.mktemp("prefect-data")

@@ -316,8 +316,8 @@ def encode_stream(
     encodes: (shard, its stats record, or the error that failed it) in the order given.
 
     `shards` may block for the next shard (one long-lived encoder per device: a device worker
-    of build-latents, flows/devices.py). A shard whose inputs cannot be read or whose outputs
-    cannot be written fails alone (its failure record written); shards done already are
+    of build-latents, flows/execution/devices.py). A shard whose inputs cannot be read or whose
+    outputs cannot be written fails alone (its failure record written); shards done already are
     skipped. The record's `extra["device"]` names the device. `spec`: the latent layout
     (default `LatentSpec.of(model)`: the model's plan, one view, the mean; the flows pass
     `spec_for(catalog, source)`, which adds the catalog's flips and latent sampling); a shard

@@ -234,7 +234,7 @@ class Pipeline:
     """The encode of shards as they come: `results()` yields each shard's latents, in order.
 
     `shards` may be an iterator that blocks until the next shard is given (a device worker of
-    build-latents, flows/devices.py): the I/O thread waits on it while the VAE works.
+    build-latents, flows/execution/devices.py): the I/O thread waits on it while the VAE works.
     """
 
     def __init__(

@@ -106,7 +106,7 @@ def drawn_by_set(checkpoint: Path) -> list[tuple[str, Path, np.ndarray, np.ndarr
     cache: dict = {}
     for segment in _segments(checkpoint):
         copy = _copy(checkpoint, segment.set)
-        rows, steps = first_draws(segment, _buckets(copy, segment, cache))
+        rows, steps = first_draws(segment, _buckets(copy, segment, cache), copy)
         by_set.setdefault(segment.set, [copy, [], []])
         by_set[segment.set][1].append(rows)
         by_set[segment.set][2].append(steps)
@@ -150,7 +150,7 @@ def lineage_batches(checkpoint: Path, removed: pa.Array | None = None) -> Iterat
                 ).dictionary_decode(),
                 pa.array(rows[a:b].astype(np.int64)),
                 pa.array(steps[a:b]),
-                taken.column(1),
+                pc.cast(taken.column(1), pa.string()),  # a dictionary in the copy
                 taken.column(0),
                 taken.column(2),
                 taken.column(3),
@@ -210,7 +210,7 @@ def who_saw(root: Path, *, urls=(), keys=()) -> list[dict]:
             wanted = matched[copy]
             if wanted is None:
                 continue
-            rows, steps = drawn(segment, _buckets(copy, segment, cache))
+            rows, steps = drawn(segment, _buckets(copy, segment, cache), copy)
             hit = wanted[rows]
             if hit.any():
                 step = int(steps[hit].min())

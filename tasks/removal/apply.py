@@ -3,6 +3,8 @@
 Compaction, not a mask: every file holding a removed row is rewritten without it (temporary
 name, rename), kept generations (`latents/spec-*`, `tokens/kept*`) included and never kept
 aside, so no byte of a removed sample stays in an output; files without one are not touched.
+Eval summaries whose nearest-training-image pairs show a removed row lose those pairs, and the
+record says what the flow publishes again (`republish`: galleries, eval reports).
 The plan is taken before any file changes and kept beside the blocklist (`removals/<digest>.*`:
 the removed rows' identifiers, the row positions of the positional arrays, the counts each
 stats record ends with); each step is idempotent, so a kill at any moment and a rerun end where
@@ -24,7 +26,7 @@ import pyarrow.parquet as pq
 from catalog import FilterProfile
 from sdtrain.atomic import TMP_MARK, atomic_path, write_json_atomic
 from tasks.curation.waterfall import Waterfall
-from tasks.removal import counts, lists, phase_sets, rewrite
+from tasks.removal import counts, lists, phase_sets, reports, rewrite
 from tasks.removal.lists import FOLDER, Wanted
 from tasks.runtime.shards import generation, generation_path
 
@@ -46,6 +48,14 @@ def _files(source_dir: Path):
         for name in sorted(filenames):
             if not name.startswith(".") and TMP_MARK not in name:
                 yield Path(dirpath) / name
+
+
+def _npy_step(d: Path, npy: Path, rows: np.ndarray, steps: list, positions: list) -> None:
+    """A positional array's step (its rows `rows` go), where the array exists."""
+    if npy.exists():
+        rel = str(npy.relative_to(d))
+        steps.append({"kind": "npy", "file": rel, "rows": len(np.load(npy, mmap_mode="r"))})
+        positions.append((rel, rows))
 
 
 def plan(
@@ -78,10 +88,7 @@ def plan(
                 if bucket == "tokens":
                     continue
                 npy = path.with_name(f"{shard}.{bucket}.npy" if bucket else f"{shard}.npy")
-                if npy.exists():
-                    n = len(np.load(npy, mmap_mode="r"))
-                    steps.append({"kind": "npy", "file": str(npy.relative_to(d)), "rows": n})
-                    positions.append((str(npy.relative_to(d)), rows))
+                _npy_step(d, npy, rows, steps, positions)
             live = path.parent == d / "latents"
             keyed.append({"kind": "keys", "file": rel, "live": live})
         elif path.suffix == ".parquet":
@@ -94,11 +101,7 @@ def plan(
                 continue
             if path.parent.name.startswith("tokens") or path.parent.parent.name == "tokens":
                 positions.append((rel, np.flatnonzero(drop)))  # token rows, for phase sets
-                npy = path.with_suffix(".npy")
-                if npy.exists():
-                    n = len(np.load(npy, mmap_mode="r"))
-                    steps.append({"kind": "npy", "file": str(npy.relative_to(d)), "rows": n})
-                    positions.append((str(npy.relative_to(d)), np.flatnonzero(drop)))
+                _npy_step(d, path.with_suffix(".npy"), np.flatnonzero(drop), steps, positions)
             keyed.append({"kind": "parquet", "file": rel})
         elif path.suffix == ".tar":
             if rewrite.tar_holds(path, keys):
@@ -116,6 +119,8 @@ def plan(
     # waterfalls after the tars their galleries' thumbnails are read from.
     order = {"parquet": 0, "tar": 1, "keys": 2, "waterfall": 3}
     steps += sorted(keyed, key=lambda s: (order[s["kind"]], s["file"]))
+    # Eval reports whose nearest-training-image pairs show a removed row (under <root>/runs/).
+    steps += [{"kind": "eval", "report": r} for r in reports.showing(root, source, gone)]
     if (d / "hf").is_dir() and len(keys):
         steps.append({"kind": "hf"})
     kept_aside = [f for s in steps if ("spec-" in (f := s.get("file", "")) or "/kept" in f)]
@@ -171,7 +176,9 @@ def apply(
     path = record_path(root, source, record["list_sha256"])
     if not path.exists():
         write_json_atomic(path, record)
-    keys = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")["key"].combine_chunks()
+    found = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")  # the plan's rows
+    keys = found["key"].combine_chunks()
+    gone = set(keys.to_pylist())
     positions = _positions(d, stem)
     rewritten: dict[str, int] = {}
     step = 0
@@ -198,6 +205,8 @@ def apply(
             done(file, rewrite.keys_file(p, keys, tokens))
         elif kind == "waterfall":
             done(file, _waterfall(p, keys, record["counts"]))
+        elif kind == "eval":
+            done(s["report"], reports.rewrite_summary(root / s["report"], source, gone))
         elif kind == "hf" and export_hf is not None:
             export_hf()
             done("hf", 1)
@@ -206,7 +215,6 @@ def apply(
         with atomic_path(generation_path(root, source)) as tmp:
             tmp.write_text(str(record["generation"]))
     done("stats", 0)
-    found = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")
     record["blocklist_rows"] = lists.add_to_blocklist(root, source, found)
     done("blocklist", 0)
     absolute = {os.path.realpath(d / f): rows for f, rows in positions.items()}
@@ -219,6 +227,11 @@ def apply(
     record["phase_sets"] = sorted(relinked)
     record["rows_removed"] = _rows_removed(record["counts"])
     record["files_rewritten"] = sorted({s["file"] for s in record["steps"] if "file" in s})
+    # What shows a removed image on the dashboard, for the flow to publish again without it.
+    record["republish"] = {
+        "galleries": [s["file"] for s in record["steps"] if s["kind"] == "waterfall"],
+        "eval_reports": [s["report"] for s in record["steps"] if s["kind"] == "eval"],
+    }
     record["not_rewritten"] = not_rewritten(root, record["phase_sets"])
     record["status"] = "done"
     record["done"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -106,7 +106,10 @@ def targets(
 
     meta_keys: set[str] = set()
     for shard in shards_of("metadata"):
-        gone = removed_in(d / "metadata" / f"{shard}.parquet", keys)
+        files = [d / "metadata" / f"{shard}.parquet"]
+        if shard == WHOLE_STAGE:  # an archive source's index: one record for every table
+            files = sorted((d / "metadata").glob("[0-9]*.parquet"))
+        gone = set().union(*(removed_in(p, keys) for p in files))
         meta_keys |= gone
         if gone:
             stats = ShardStats.read(stats_path(root, source, "metadata", shard))

@@ -3,9 +3,10 @@
 An entry is a URL, the metadata's int64 `hash`, the fetched image's sha256 or a sample key. A
 line of digits may be a hash or a key, so it is looked up as both. `widen` adds every sample
 whose image has a matched image's sha256 or a pHash within the profile's near-duplicate radius.
-What matched joins `<root>/<source>/removals/blocklist.parquet` (url, hash, sha256, key of each
-removed row), which fetch-metadata applies to every later build (reason `removed`); the
-catalog's own `blocklist` option stays the user's. Columnar throughout: Arrow `is_in` per file.
+What matched joins `<root>/<source>/removals/blocklist.parquet` (key, url, hash, sha256, origin
+of each removed row), which every later build applies (reason `removed`): fetch-metadata by URL
+and hash, an archive source's index by origin and its repack by sha256; the catalog's own
+`blocklist` option stays the user's. Columnar throughout: Arrow `is_in` per file.
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ from sdtrain.atomic import atomic_path
 FOLDER = "removals"
 BLOCKLIST = "blocklist.parquet"
 KINDS = ("url", "hash", "sha256", "key")
+# `origin`: an archive source's member path, what its index step drops by (keys are positions)
 BLOCK_SCHEMA = pa.schema(
-    [("key", pa.string()), ("url", pa.string()), ("hash", pa.int64()), ("sha256", pa.string())]
+    [
+        ("key", pa.string()),
+        ("url", pa.string()),
+        ("hash", pa.int64()),
+        ("sha256", pa.string()),
+        ("origin", pa.string()),
+    ]
 )
+KEPT = (*KINDS, "origin")  # what a blocklist row keeps of a removed row
 _SHA256 = re.compile(r"^[0-9a-fA-F]{64}$")
 _INT = re.compile(r"^-?[0-9]+$")
 
@@ -108,7 +117,7 @@ def _hits(table: pa.Table, wanted: Wanted) -> np.ndarray:
 
 def _tables(source_dir: Path):
     """The source's sample tables holding identifiers: metadata rows and fetched shard rows."""
-    for folder, columns in (("metadata", ("key", "url", "hash")), ("shards", KINDS)):
+    for folder, columns in (("metadata", ("key", "url", "hash", "origin")), ("shards", KEPT)):
         for path in sorted((source_dir / folder).glob("[0-9]*.parquet")):
             names = pq.read_schema(path).names
             yield folder, pq.read_table(path, columns=[c for c in columns if c in names])
@@ -128,6 +137,28 @@ def resolve(source_dir: Path, wanted: Wanted, *, widen: bool = False, radius: in
     return found
 
 
+def resolve_root(root: Path, wanted: Wanted) -> tuple[pa.Array, pa.Array]:
+    """(URLs, keys) the list names over every source of a data root: its own URLs and keys, and
+    those of each row a hash or sha256 of it matches in a source's sample tables or in the rows
+    a removal took out (`removals/blocklist.parquet`: gone from the tables, still named here)."""
+    if not len(wanted.hash) and not len(wanted.sha256):
+        return wanted.url, wanted.key  # nothing to look up: the sets' copies hold both
+    root = Path(root)
+    parts = []
+    for source_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        if not any((source_dir / f).is_dir() for f in ("metadata", "shards", FOLDER)):
+            continue
+        parts.append(resolve(source_dir, wanted))
+        blocked = read_blocklist(root, source_dir.name)
+        hit = _hits(blocked, wanted)
+        if hit.any():
+            parts.append(blocked.filter(pa.array(hit)))
+    found = _merge(parts)
+    urls = pc.unique(pa.concat_arrays([wanted.url, pc.drop_null(found["url"]).combine_chunks()]))
+    keys = pc.unique(pa.concat_arrays([wanted.key, found["key"].combine_chunks()]))
+    return urls, keys
+
+
 def _block_rows(table: pa.Table) -> pa.Table:
     n = table.num_rows
     columns = {}
@@ -144,7 +175,7 @@ def _merge(parts: list[pa.Table]) -> pa.Table:
     if not parts:
         return BLOCK_SCHEMA.empty_table()
     table = pa.concat_tables(parts)
-    grouped = table.group_by("key").aggregate([(c, "max") for c in ("url", "hash", "sha256")])
+    grouped = table.group_by("key").aggregate([(c, "max") for c in KEPT if c != "key"])
     grouped = grouped.rename_columns([c.removesuffix("_max") for c in grouped.column_names]).select(
         BLOCK_SCHEMA.names
     )
@@ -167,7 +198,7 @@ def _widened(source_dir: Path, found: pa.Table, radius: int) -> list[pa.Table]:
         names = pq.read_schema(path).names
         if "sha256" not in names:
             continue
-        t = pq.read_table(path, columns=[c for c in KINDS if c in names])
+        t = pq.read_table(path, columns=[c for c in KEPT if c in names])
         hit = pc.fill_null(pc.is_in(t["sha256"], value_set=hashes), False).to_numpy(
             zero_copy_only=False
         )
@@ -200,13 +231,15 @@ def blocklist_path(root: Path, source: str) -> Path:
 
 def read_blocklist(root: Path, source: str) -> pa.Table:
     path = blocklist_path(root, source)
-    return pq.read_table(path).cast(BLOCK_SCHEMA) if path.exists() else BLOCK_SCHEMA.empty_table()
+    # _block_rows: a blocklist written before `origin` was kept reads with it null
+    return _block_rows(pq.read_table(path)) if path.exists() else BLOCK_SCHEMA.empty_table()
 
 
 def add_to_blocklist(root: Path, source: str, rows: pa.Table) -> int:
     """The removed rows join the data root's blocklist of the source (deduplicated by key, key
-    order: the same list twice writes the same file); returns the rows it holds."""
-    merged = _merge([read_blocklist(root, source), rows])
+    order: the same list twice writes the same file); returns the rows it holds. `rows` may lack
+    some of BLOCK_SCHEMA's columns (a plan written before `origin` was kept)."""
+    merged = _merge([read_blocklist(root, source), _block_rows(rows)])
     before = read_blocklist(root, source)
     if before.num_rows == merged.num_rows and before.equals(merged):
         return merged.num_rows
@@ -224,3 +257,8 @@ def blocked_rows(table: pa.Table, blocked: pa.Table) -> np.ndarray:
     if "hash" in table.column_names and len(hashes):
         hit = pc.or_(hit, pc.fill_null(pc.is_in(table["hash"], value_set=hashes), False))
     return hit.to_numpy(zero_copy_only=False)
+
+
+def blocked_values(root: Path, source: str, column: str) -> pa.Array:
+    """The distinct non-null values of one column of the source's blocklist."""
+    return pc.unique(pc.drop_null(read_blocklist(root, source)[column]).combine_chunks())

@@ -11,7 +11,7 @@
   download threads of each (default 64, the low end of the README's 64-128): by default
   64 x the cores requests in flight on the node.
 - GPU stages (score, encode, semantic dedup) run one worker per device of the GPU pool
-  (`flows/pools.py`, `flows/devices.py`), not a number from here.
+  (`flows/execution/pools.py`, `flows/execution/devices.py`), not a number from here.
 - Stages whose Python holds the GIL (tokenize) run their shards in the node's call processes
   (`Node.in_process`), where the budget is over `THREADS_UP_TO`; up to it, in the flow's threads (a
   spawned interpreter costs ~3 s of imports, more than two threads lose to the GIL).

@@ -6,7 +6,8 @@ tokenize process) lives under one of the node's `Slots`, so however many stages 
 node runs at most `workers` of them plus EXTRA (each kind of pool gets one even when the others
 hold every slot); a stage that runs alone may use them all. A flow builds its `Node` and passes
 it to each stage function; on a Ray cluster each node's agent builds its own
-(flows/cluster_agents.py). The environment is read here, once, as a new process's settings.
+(flows/execution/cluster_agents.py). The environment is read here, once, as a new process's
+settings.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """This process's connection to a Ray cluster: the one way in for every Ray entry point (a
-build's `flows.cluster.Cluster`, a training on nodes and the plan's count of its GPUs, image
-generation, encode-ray), so each runs on the cluster it names or fails at once saying why:
+build's `flows.execution.cluster.Cluster`, a training on nodes and the plan's count of its GPUs,
+image generation, encode-ray), so each runs on the cluster it names or fails at once saying why:
 nothing answers there, this process is already connected to another cluster (that connection
 is kept: its actors would go with it), or the cluster wants a token this process does not send.
 """

@@ -63,7 +63,7 @@ def shard_name(index: int) -> str:
 
 def current_node() -> str:
     """The node this process works for: `SDPIPE_NODE` (a cluster's node agents set it, see
-    flows/cluster.py), else the host name."""
+    flows/execution/cluster.py), else the host name."""
     return os.environ.get("SDPIPE_NODE") or socket.gethostname()
 
 

@@ -27,8 +27,8 @@ def started_and_ended(root, stage: str) -> list[tuple[float, float]]:
 def test_score_and_encode_shards_run_on_two_devices(prefect_stack, tmp_path, monkeypatch):
     from prefect.logging.handlers import APILogWorker
 
-    from flows import devices
     from flows.build_latents import build_latents
+    from flows.execution import devices
 
     # A lane still claiming its device after STEAL_AFTER_S hands its shards to the other lane
     # (right on a node where a training holds a GPU). On a loaded 2-core machine the second

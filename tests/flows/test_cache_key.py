@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from catalog import load_catalog
-from flows.stages import _cache_key
+from flows.execution.stages import _cache_key
 from tasks.curation import filter as filter_stage
 from tasks.curation import views
 from tasks.runtime.shards import bump_generation

@@ -114,7 +114,7 @@ def test_a_failure_no_retry_can_fix_leads_the_flows_message():
     from prefect.states import Failed
 
     from flows.build_latents import _failed
-    from flows.stages import _retry_unless_permanent, failure_message
+    from flows.execution.stages import _retry_unless_permanent, failure_message
     from tasks.curation.score import ScoringWeightsError
 
     missing = ScoringWeightsError("scoring model 'x': weights file(s) not found: a (get b)")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows import cli, local
+from flows.cli import commands as cli
+from flows.cli import local
 from tests.tasks.tiny_weights import write_tiny_weights
 
 

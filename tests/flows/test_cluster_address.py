@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from flows.cluster import Cluster, ClusterError
+from flows.execution.cluster import Cluster, ClusterError
 from tasks.phases.train import TrainingFailed
 from tasks.phases.train_nodes import connected
 from tasks.runtime.net import free_port, unreachable

@@ -1,4 +1,4 @@
-"""A build-latents run's agents on the shared local Ray cluster (flows/cluster.py), called
+"""A build-latents run's agents on the shared local Ray cluster (flows/execution/cluster.py), called
 directly with small units (shell commands that say which node ran them) instead of a flow: a
 poison shard fails alone while its node and the other shards go on; a node that joins mid-run
 takes shards; waiting for an agent says so and ends at its deadline."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flows import cluster_agents
-from flows.cluster import Cluster, ClusterError, ShardKilledAgent
+from flows.execution import cluster_agents
+from flows.execution.cluster import Cluster, ClusterError, ShardKilledAgent
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -25,7 +25,9 @@ def said() -> list[str]:
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
-    loggers = [logging.getLogger(n) for n in ("flows.cluster", "flows.cluster_agents")]
+    loggers = [
+        logging.getLogger(n) for n in ("flows.execution.cluster", "flows.execution.cluster_agents")
+    ]
     for logger in loggers:
         logger.addHandler(handler)
     yield lines
@@ -88,7 +90,7 @@ def test_a_poison_shard_fails_alone_and_the_run_goes_on(cluster, tmp_path, said)
 
 
 def test_a_node_that_joins_mid_run_takes_shards(cluster, monkeypatch):
-    from flows import cluster as cluster_module
+    from flows.execution import cluster as cluster_module
 
     monkeypatch.setattr(cluster_module, "NODES_EVERY_S", 0.5)
     joined = None

@@ -1,6 +1,6 @@
-"""build-latents over a Ray cluster (flows/cluster.py), as users run it: `sdpipe build-latents
-web --cluster ADDRESS` in a fresh process, on a local multi-node Ray cluster (3 worker nodes of
-2 CPUs, tests/ray_cluster.py), for the LAION-kind source of test_laion_kind (no scorer, two
+"""build-latents over a Ray cluster (flows/execution/cluster.py), as users run it: `sdpipe
+build-latents web --cluster ADDRESS` in a fresh process, on a local multi-node Ray cluster (3 worker
+nodes of 2 CPUs, tests/ray_cluster.py), for the LAION-kind source of test_laion_kind (no scorer, two
 metadata files, awkward images, served on loopback), in shards of 4.
 
 - Every per-shard stage's shards ran on at least 2 nodes, and the outputs equal a one-node
@@ -25,8 +25,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from flows import local
-from flows.status import status
+from flows.cli import local
+from flows.cli.status import status
 from tasks.runtime.shards import read_stats
 from tests.flows.test_laion_kind import upstream, write_catalog
 from tests.tasks.conftest import loopback_server

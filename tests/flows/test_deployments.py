@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from catalog import load_catalog
-from flows.local import WORK_POOL
+from flows.cli.local import WORK_POOL
 
 PREFECT_YAML = Path(__file__).resolve().parents[2] / "prefect.yaml"
 
@@ -89,7 +89,7 @@ def test_the_demos_worker_runs_other_deployments_online(prefect_stack):
     has no HF_HUB_OFFLINE; the demo's own runs still have it."""
     import psutil
 
-    from flows import local
+    from flows.cli import local
 
     root, _ = prefect_stack
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # the caller's, as under `make demo`

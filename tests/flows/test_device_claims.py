@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from flows import pools
+from flows.execution import pools
 
 HOLD = """
 import sys
-from flows import pools
+from flows.execution import pools
 with pools.{claim} as claimed:
     print(*claimed if isinstance(claimed, list) else [claimed], flush=True)
     sys.stdin.readline()

@@ -1,5 +1,5 @@
-"""A GPU stage's device workers (flows/devices.py) on two CPU twins: shards spread over the
-devices, two stages (two flow runs) never hold one device at once, a failure costs only its
+"""A GPU stage's device workers (flows/execution/devices.py) on two CPU twins: shards spread over
+the devices, two stages (two flow runs) never hold one device at once, a failure costs only its
 shard, a lane kept from its device gives its shards away, an idle worker gives its device back.
 
 The claims here are the device locks alone (`pools.claim_devices`); the Prefect slot in front
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from flows import pools
-from flows.devices import Devices, read_ahead
+from flows.execution import pools
+from flows.execution.devices import Devices, read_ahead
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from flows import cli
-from flows.local import PROJECT_ROOT
+from flows.cli.local import PROJECT_ROOT
 from sdtrain.config import TrainConfig
 from tasks.evaluation import evaluate
 from tests.image_sources import markdown_sources, not_embedded

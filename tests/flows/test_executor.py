@@ -1,10 +1,10 @@
 """One executor interface, two kinds: the build asks this node the same things it asks a Ray
-cluster (flows/executor.py); here this node's answers."""
+cluster (flows/execution/executor.py); here this node's answers."""
 
 from __future__ import annotations
 
 from flows.build_latents import stage_limits
-from flows.executor import LocalExecutor, executor
+from flows.execution.executor import LocalExecutor, executor
 from tasks.runtime.node import Node, local_node
 
 

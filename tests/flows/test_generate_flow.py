@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from flows import cli, pools
+from flows import cli
+from flows.execution import pools
 from tests.tasks.tiny_weights import write_tiny_weights
 
 pytestmark = pytest.mark.slow

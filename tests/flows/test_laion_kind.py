@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from flows import local
+from flows.cli import local
 from tasks.latents import images, latent_keys
 from tasks.runtime.shards import read_stats
 from tests.tasks import bad_images as bad

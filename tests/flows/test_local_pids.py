@@ -9,7 +9,7 @@ import sys
 
 import psutil
 
-from flows import local
+from flows.cli import local
 
 
 def _sleeper() -> subprocess.Popen:

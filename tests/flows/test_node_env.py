@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.cluster import forwarded_env
+from flows.execution.cluster import forwarded_env
 from tasks.runtime.net import PROJECT_ROOT, node_env
 
 

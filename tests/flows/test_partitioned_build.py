@@ -1,8 +1,9 @@
-"""build-latents with the partitioned global stages (flows/partitioned.py) on the demo source, its
-profile given a pHash level: the metadata filter and filter-pixels' pHash dedup as partition
-tasks (SDPIPE_PARTITIONED=always) write the same filtered shards, selection and counts as the
-one-node stages (never). A partition task that fails fails the flow naming it, and the rerun runs
-only that partition and those after it (the finished ones are reused from their folders).
+"""build-latents with the partitioned global stages (flows/execution/partitioned.py) on the demo
+source, its profile given a pHash level: the metadata filter and filter-pixels' pHash dedup as
+partition tasks (SDPIPE_PARTITIONED=always) write the same filtered shards, selection and counts
+as the one-node stages (never). A partition task that fails fails the flow naming it, and the
+rerun runs only that partition and those after it (the finished ones are reused from their
+folders).
 
 One pair of builds serves every test (module fixture): the one-node build, and the partitioned
 build, which fails in the filter, then in filter-pixels' pHash, then completes.

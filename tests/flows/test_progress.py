@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import progress
+from flows.cli import progress
 from tasks.runtime.shards import run_shard
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ CHILD = """
 import logging, sys, time
 from pathlib import Path
 import prefect.main  # sets up Prefect's logging: the root logger prints on its console
-from flows import progress
+from flows.cli import progress
 from tasks.runtime.shards import run_shard
 
 root = Path(sys.argv[1])

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flows import local
+from flows.cli import local
 from tasks.latents import latent_keys
 from tasks.runtime.shards import ShardStats
 

@@ -5,7 +5,7 @@ every deployment, two process workers (`worker-a`, `worker-b`: two pretend nodes
 `sdpipe-load/loopback` deployment. Skipped, with the reason, where PostgreSQL cannot run.
 
 The same code starts it in infra/scale_out_local.py and bench/orchestration.py
-(flows.postgres.Postgres + flows.local.start_shared).
+(flows.cli.postgres.Postgres + flows.cli.local.start_shared).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import broker, local, postgres
+from flows.cli import broker, local, postgres
 
 
 @dataclass

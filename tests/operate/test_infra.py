@@ -48,7 +48,7 @@ def test_compose_file_is_valid_and_auth_is_on():
     assert server["PREFECT_API_DATABASE_CONNECTION_URL"].startswith("postgresql+asyncpg://")
     assert server["PREFECT_SERVER_API_AUTH_STRING"] == worker["PREFECT_API_AUTH_STRING"] != ""
     assert worker["PREFECT_API_URL"].endswith(":4200/api")
-    from flows.broker import server_env
+    from flows.cli.broker import server_env
 
     broker = server_env("redis", 6379)
     assert {k: str(server[k]) for k in broker} == broker  # the settings the tests run with

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from flows import credentials, pools
+from flows.execution import credentials, pools
 
 
 def test_gpu_pool_limit_name_and_slots(monkeypatch):
@@ -45,7 +45,7 @@ def test_env_secret_is_masked_in_every_handler(monkeypatch):
 
 
 def test_missing_servers_give_a_reason_to_skip(monkeypatch):
-    from flows import broker, postgres
+    from flows.cli import broker, postgres
 
     monkeypatch.setattr(postgres, "bin_dir", lambda: None)
     assert "apt-get install postgresql" in postgres.unavailable_reason()

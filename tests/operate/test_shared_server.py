@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from flows import broker, local
+from flows.cli import broker, local
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def test_build_latents_demo_on_postgres(shared_stack, demo_run, pg):
         assert out.stdout.strip() == "1"
     assert not list((shared_stack.root / ".prefect").glob("*.db"))
     # `sdpipe status` tells the same from the data root alone: every stage done, none failed.
-    from flows.status import status
+    from flows.cli.status import status
 
     report = status(shared_stack.root, ["demo"])
     stages = {s["stage"]: s for s in report["sources"]["demo"]}
@@ -107,7 +107,7 @@ def test_secrets_from_a_block_never_reach_the_logs(shared_stack):
     from prefect import flow, get_run_logger
     from prefect.blocks.system import Secret
 
-    from flows import credentials
+    from flows.execution import credentials
 
     token = "hf_" + base64.b32encode(os.urandom(15)).decode().lower()
     saved = os.environ.pop("HF_TOKEN", None)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from hashlib import sha256
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -16,7 +18,7 @@ from flows.cli import main as cli
 from flows.lineage import flags_markdown
 from sdtrain import train as train_module
 from sdtrain.checkpoint import CheckpointError
-from sdtrain.lineage import read_segments
+from sdtrain.lineage import held_out_path, read_segments
 from tasks.phases import lineage
 from tasks.removal import lists
 from tests.torch_threads import one_torch_thread
@@ -120,8 +122,8 @@ def test_lineage_is_the_trainers_draw(make_config, tmp_path, monkeypatch, capsys
 
     # A removal since (the data root's blocklist, as `sdpipe remove` keeps it, naming the row by
     # its URL): status flags the checkpoints that drew the row, and the listing marks it.
-    gone = {"key": ["demo/99999//0000"], "url": [url_of(one)], "hash": [None], "sha256": [None]}
-    lists.add_to_blocklist(root, "demo", pa.table(gone, schema=lists.BLOCK_SCHEMA))
+    gone = {"key": ["demo/99999//0000"], "url": [url_of(one)]}
+    lists.add_to_blocklist(root, "demo", pa.table(gone))
     assert {f["checkpoint"] for f in lineage.removed_flags(root)} == {
         f["checkpoint"] for f in found
     }
@@ -133,6 +135,73 @@ def test_lineage_is_the_trainers_draw(make_config, tmp_path, monkeypatch, capsys
     assert cli(["--data-root", str(root), "lineage", str(four), "--parquet", str(out)]) == 0
     marked = pq.read_table(out).filter(pa.compute.field("removed"))
     assert marked["key"].to_pylist() == [one]
+
+
+@pytest.fixture(scope="module")
+def trained(make_config, tmp_path_factory):
+    """A run on a two-shard set whose sample tables carry `hash` and `sha256`: (root, the step
+    each drawn key was first drawn for, config). Tests copy the root before changing it."""
+    root = tmp_path_factory.mktemp("trained") / "root"
+    phase = build_set(root)
+    for shard in sorted((root / "demo" / "shards").glob("*.parquet")):
+        table = pq.read_table(shard)
+        hashes = [int(k[-4:]) * 1000 + int(k[5:10]) for k in table["key"].to_pylist()]
+        digests = [sha256(k.encode()).hexdigest() for k in table["key"].to_pylist()]
+        pq.write_table(table.append_column("hash", pa.array(hashes, pa.int64())).append_column(
+            "sha256", pa.array(digests)), shard)  # fmt: skip
+    config = make_config(root / "runs" / "demo", phase_dir=str(phase), sample_every=0)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        drawn = first_steps(train_recording(config, monkeypatch), config.grad_accum)
+    return SimpleNamespace(root=root, drawn=drawn, config=config)
+
+
+def copied(trained, tmp_path) -> Path:
+    root = tmp_path / "root"
+    shutil.copytree(trained.root, root)
+    return root
+
+
+def test_the_list_takes_what_sdpipe_remove_takes(trained, tmp_path, capsys):
+    """`sdpipe lineage --list` resolves the metadata's hash and the image sha256 to the rows they
+    name, in the sample tables or, once removed, in the data root's blocklist (main took both
+    kinds of line for keys and found nothing)."""
+    root, drawn = copied(trained, tmp_path), trained.drawn
+    by_hash, by_sha = sorted(k for k in drawn if k.startswith("demo/00001"))[:2]
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{int(by_hash[-4:]) * 1000 + 1}\n{sha256(by_sha.encode()).hexdigest()}\n")
+    found = who_saw(root, capsys, "--list", str(listing))
+    final = next(f for f in found if f["checkpoint"].endswith("final"))
+    assert final["num_rows"] == 2
+    assert final["first_step"] == min(drawn[by_hash], drawn[by_sha])
+    as_parquet = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"sha256": [sha256(by_sha.encode()).hexdigest()]}), as_parquet)
+    assert who_saw(root, capsys, "--list", str(as_parquet))[-1]["num_rows"] == 1
+
+    # Removed since: the row left the sample tables, the blocklist still names it.
+    shard = root / "demo" / "shards" / "00001.parquet"
+    table = pq.read_table(shard)
+    gone = pa.compute.equal(table["key"], by_sha)
+    lists.add_to_blocklist(root, "demo", table.filter(gone))
+    pq.write_table(table.filter(pa.compute.invert(gone)), shard)
+    assert who_saw(root, capsys, "--list", str(as_parquet))[-1]["num_rows"] == 1
+    listing.write_text("0\n" + "ab" * 32 + "\n")  # a hash and a sha256 of no row
+    assert who_saw(root, capsys, "--list", str(listing)) == []
+
+
+def test_a_copy_kept_before_compression_reads_the_same(trained, tmp_path):
+    """Copies are zstd-compressed with a dictionary source now, the held-out rows kept beside;
+    one an older sdpipe kept (plain strings, uncompressed, no held-out rows) lists the same."""
+    root, config = copied(trained, tmp_path), trained.config
+    final = root / "runs" / "demo" / "final"
+    ((_, copy, _, _),) = lineage.drawn_by_set(final)
+    table = pa.ipc.open_file(pa.memory_map(str(copy))).read_all()
+    assert pa.types.is_dictionary(table.schema.field("source").type)
+    now = pa.Table.from_batches(lineage.lineage_batches(final))
+    plain = table.set_column(1, "source", pa.compute.cast(table["source"], pa.string()))
+    with pa.OSFile(str(copy), "wb") as sink, pa.ipc.new_file(sink, plain.schema) as writer:
+        writer.write_table(plain)
+    held_out_path(copy, config.seed, config.num_val_samples).unlink()
+    assert pa.Table.from_batches(lineage.lineage_batches(final)).equals(now)
 
 
 def test_a_resume_on_a_remixed_set_adds_a_segment(make_config, tmp_path, monkeypatch):

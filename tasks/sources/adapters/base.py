@@ -13,6 +13,9 @@ Everything else is shared, so every source gets the same shards, tables and drop
   source's resolution on the short side with the aspect ratio kept, and written as JPEG into
   `shards/NNNNN.tar` (key.jpg, key.txt, key.json), with the sample table
   `shards/NNNNN.parquet` (status `success` or the reason the image was dropped).
+- a row a removal took out (`<root>/<source>/removals/blocklist.parquet`) is dropped as
+  `removed` at index by its origin (after keys are given: the others keep theirs) and at
+  repack by the sha256 of its bytes (the same image at another origin).
 
 An origin is `<archive>::<member>` for an image inside an archive, or a file path; both are
 relative to the source's location, which is read through fsspec (local folder, https://,
@@ -41,6 +44,7 @@ from catalog import FilterProfile, Source
 from sdtrain.atomic import atomic_path
 from tasks.latents import images
 from tasks.latents.tokenize import clean_caption
+from tasks.removal import lists
 from tasks.runtime.shards import ShardStats, run_shard, shard_name, stats_path
 from tasks.sources.table import SourceError, write_table
 
@@ -161,14 +165,22 @@ def index_source(root: Path, source: Source, adapter: Adapter) -> ShardStats:
             old.unlink()
         per_shard = source.samples_per_shard
         num_shards = 0
+        # Rows a removal took out (`sdpipe remove`) go after their keys are given, so every other
+        # row keeps the key it had in the build the removal rewrote.
+        taken_back = lists.blocked_values(root, source.name, "origin")
+        num_out = 0
         for start in range(0, len(rows), per_shard):
             shard = shard_name(num_shards)
+            table = sample_table(source, adapter, shard, rows[start : start + per_shard])
+            gone = pc.is_in(table["origin"], value_set=taken_back)
+            if len(taken_back) and (removed := pc.sum(gone).as_py()):
+                stats.drop("removed", removed)
+                table = table.filter(pc.invert(gone))
             with atomic_path(out_dir / f"{shard}.parquet") as tmp:
-                write_table(
-                    sample_table(source, adapter, shard, rows[start : start + per_shard]), tmp
-                )
+                write_table(table, tmp)
+            num_out += table.num_rows
             num_shards += 1
-        stats.num_out = len(rows)
+        stats.num_out = num_out
         stats.extra = {"num_shards": num_shards, "location": adapter.location}
 
     return run_shard(root, source.name, "metadata", ALL, work)
@@ -387,6 +399,7 @@ def repack_shard(
     def work(stats: ShardStats) -> None:
         table = pq.read_table(table_path)
         rows = table.to_pylist()
+        taken_back = set(lists.blocked_values(root, source.name, "sha256").to_pylist())
         stats.num_in = len(rows)
         index = {r["origin"]: i for i, r in enumerate(rows)}
         status: list[str] = ["success"] * len(rows)
@@ -403,6 +416,9 @@ def repack_shard(
                     status[i] = data
                     continue
                 sha[i] = hashlib.sha256(data).hexdigest()
+                if sha[i] in taken_back:  # a removed image, at this origin or another
+                    status[i] = "removed"
+                    continue
                 crop = rows[i]["crop"]
                 yield i, data, tuple(crop) if crop else None
 
@@ -434,6 +450,8 @@ def repack_shard(
             .append_column("sha256", pa.array(sha, pa.string()))
             .append_column("status", pa.array(status, pa.string()))
         )
+        if "removed" in status:  # counted below; its caption is not kept
+            out = out.filter(pc.not_equal(out["status"], "removed"))
         with atomic_path(out_dir / f"{shard}.parquet") as tmp:
             pq.write_table(out, tmp)
         for s in status:

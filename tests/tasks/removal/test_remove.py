@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from catalog import load_catalog
 from catalog.loader import PACKAGED_DIR
@@ -72,7 +73,38 @@ def built(tmp_path_factory):
         out = root / SOURCE / "embeddings" / profile.scorer / p.name
         out.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pq.read_table(p, columns=["key", "embedding"]), out)
+    write_eval(root)
     return SimpleNamespace(root=root, catalog=catalog, profile=profile, phase=phase)
+
+
+EVAL = "runs/demo/eval/summary.json"
+
+
+def write_eval(root: Path) -> None:
+    """An eval of phase demo whose nearest-training-image pairs show the first fetched row of
+    shard 00000 (the removal list names it) and the second (it does not)."""
+    rows = pq.read_table(root / SOURCE / "shards" / "00000.parquet").to_pylist()
+    ok = [r for r in rows if r["status"] == "success"]
+    out = root / EVAL
+    (out.parent / "images").mkdir(parents=True)
+    scores = []
+    for i in range(2):
+        name = f"{i:04d}.png"
+        Image.new("RGB", (16, 16), (90 * i, 40, 200)).save(out.parent / "images" / name)
+        scores.append({"file": name, "seed": 0, "category": "things", "clip_score": 20.0,
+                       "aesthetic": 5.0})  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(scores), out.parent / "images.parquet")
+    worst = [
+        {"file": f"{i:04d}.png", "category": "things", "source": SOURCE, "shard": "00000",
+         "key": ok[i]["key"], "similarity": 0.9 - i / 10}
+        for i in range(2)
+    ]  # fmt: skip
+    summary = {
+        "phase": "demo", "seeds": [0], "num_images": 2, "num_steps": 2, "ema": True,
+        "metrics": {"all": {"memorised": 0.5}},
+        "memorisation": {"threshold": 0.85, "num_training_rows": 40, "worst": worst},
+    }  # fmt: skip
+    out.write_text(json.dumps(summary))
 
 
 def removal_list(root: Path, path: Path) -> dict[str, dict]:
@@ -110,7 +142,8 @@ def removed(built, tmp_path_factory):
     list_file = root.parent / "takedown.txt"
     named = removal_list(root, list_file)
     record = run_removal(built, root, list_file)
-    return SimpleNamespace(root=root, list=list_file, named=named, record=record)
+    summary = json.loads((root / EVAL).read_text())  # a later test deletes runs/
+    return SimpleNamespace(root=root, list=list_file, named=named, record=record, summary=summary)
 
 
 def signatures(built_root: Path, keys: set[str]) -> dict[str, list[bytes]]:
@@ -493,3 +526,50 @@ def test_widen_takes_the_same_picture_at_another_url(built, tmp_path):
         set(twins)
         & set(pq.read_table(built.root / "phases/demo/manifest.parquet")["key"].to_pylist())
     )
+
+
+def test_an_eval_report_showing_a_removed_image_is_rewritten_without_it(built, removed):
+    kept = json.loads((built.root / EVAL).read_text())["memorisation"]["worst"][1]
+    memo = removed.summary["memorisation"]
+    assert memo["worst"] == [kept] and memo["removed_pairs"] == 1
+    assert memo["worst"][0]["key"] not in removed.named
+    assert removed.record["republish"]["eval_reports"] == [EVAL]
+    assert "filtered/waterfall.json" in removed.record["republish"]["galleries"]
+
+
+def test_the_flow_publishes_the_galleries_and_eval_grid_again_without_them(built, removed):
+    """The filter gallery and the eval grid artifacts as the build and the eval left them, then
+    the remove flow: one version of each is left, drawn without the removed rows."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows import evaluate, remove
+    from flows.execution import stages
+    from tasks.evaluation import eval_report
+
+    root = removed.root.parent.parent / "flow" / "data"
+    shutil.copytree(built.root, root, symlinks=True)
+    d = root / SOURCE
+    removed_key = json.loads((root / EVAL).read_text())["memorisation"]["worst"][0]["key"]
+    grid_key = evaluate.artifact_key("demo", "grid")
+    with prefect_test_harness(server_startup_timeout=120), get_client(sync_client=True) as c:
+        stages.publish_waterfall(SOURCE, d / "filtered/waterfall.json", d / "filtered/gallery.html")
+        summary = json.loads((root / EVAL).read_text())
+        create = remove.create_markdown_artifact
+        create(eval_report.grid_markdown(root, summary), key=grid_key)
+        state = remove.remove(SOURCE, str(removed.list), data_root=str(root), return_state=True)
+        assert state.is_completed(), state.message
+        published = state.result()["republished"]
+        assert grid_key in published
+        assert stages.artifact_key(SOURCE, "filter", "gallery") in published
+        for key in published:
+            versions = c.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+            )
+            assert len(versions) == 1, key
+            assert not any(k in versions[0].data for k in removed.named), key
+        grid = c.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[grid_key]))
+        )
+        assert removed_key not in grid[0].data and "Nearest training images" in grid[0].data

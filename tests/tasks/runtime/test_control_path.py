@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import progress
+from flows.cli import progress
 from sdtrain.atomic import atomic_path
 from tasks.runtime.shards import ShardStats, run_shard, stats_path
 

@@ -25,7 +25,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from flows.names import DISPLAY
+from flows.execution.names import DISPLAY
 from sdtrain.atomic import TMP_MARK
 from tasks.phases import lineage
 from tasks.runtime.shards import read_stats, summarize

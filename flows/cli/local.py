@@ -32,7 +32,7 @@ import psutil
 
 from tasks.runtime.net import free_port
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 WORK_POOL = "sdpipe"
 DEFAULT_PORT = 4200  # of a data root's server, unless SDPIPE_PREFECT_PORT says otherwise
 # Settings of the command that starts a worker which its flow runs must not take: `make demo`
@@ -382,7 +382,7 @@ def start_shared(
 
     Each worker gets `SDPIPE_NODE=<its name>` and `SDPIPE_GPU_POOL=<its name>` (one GPU pool
     per node, as on real nodes where the default is the host name). `server_env` adds server
-    settings (e.g. flows.broker.server_env(): Redis messaging).
+    settings (e.g. flows.cli.broker.server_env(): Redis messaging).
     """
     client = {**(env or {}), **shared_env(port, auth_string)}
     ensure_server(root, port, env=shared_server_env(client, database_url, auth_string, server_env))

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from flows import pools
+from flows.execution import pools
 
 if TYPE_CHECKING:
     import torch

@@ -12,15 +12,15 @@ from pathlib import Path
 
 from catalog import CatalogError, load_catalog
 from flows import lineage
-from flows.local import prefect_api  # the data root's own server, or PREFECT_API_URL
+from flows.cli.local import prefect_api  # the data root's own server, or PREFECT_API_URL
 from tasks.runtime.shards import data_root
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from flows.cli.demo import DemoFailed
+    from flows.cli.local import LocalServerError
     from flows.curriculum import PhaseNotReady
-    from flows.demo import DemoFailed
     from flows.evaluate import USER_ERRORS as EVAL_ERRORS
-    from flows.local import LocalServerError
     from sdtrain.checkpoint import CheckpointError
     from sdtrain.models import ModelLoadError
     from sdtrain.weights import WeightsNotFound
@@ -51,7 +51,7 @@ def cmd_catalog(args: argparse.Namespace) -> None:
 
 
 def cmd_build_latents(args: argparse.Namespace) -> int:
-    from flows import progress
+    import flows.cli.progress as progress
     from flows.build_latents import build_latents, preflight
 
     preflight(args.source, data_root(args.data_root))
@@ -71,7 +71,7 @@ def cmd_build_latents(args: argparse.Namespace) -> int:
 
 
 def cmd_curriculum(args: argparse.Namespace) -> int:
-    from flows import progress
+    import flows.cli.progress as progress
     from flows.curriculum import curriculum, preflight
 
     _, phase, _ = preflight(args.phase, data_root(args.data_root))
@@ -337,7 +337,7 @@ def cmd_summary(args: argparse.Namespace) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from flows.status import format_status, status
+    from flows.cli.status import format_status, status
 
     root = data_root(args.data_root)
     report = status(root, args.sources or None)
@@ -396,7 +396,7 @@ def cmd_refetch(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from flows import demo
+    import flows.cli.demo as demo
 
     demo.main()
 
@@ -425,7 +425,7 @@ def cmd_remove(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> None:
-    from flows import local
+    import flows.cli.local as local
 
     stopped = local.stop(data_root(args.data_root))
     print("stopped: " + ", ".join(stopped) if stopped else "nothing was running")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from flows.status import PER_SHARD, STAGES
+from flows.cli.status import PER_SHARD, STAGES
 from sdtrain.atomic import TMP_MARK
 from tasks.runtime.shards import journal_path
 

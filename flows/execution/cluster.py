@@ -18,7 +18,8 @@ the stage runs.
 Per stage, a shard goes to the node with the most room under that node's own limit
 (`stage_limits` of its budget and devices); a node that joins mid-run gets an agent and adds
 its limits. Waiting for an agent to start says so and who holds the node, and fails after
-`SDPIPE_CLUSTER_WAIT_S` (flows/cluster_agents.py); the run's demand goes to Ray's autoscaler.
+`SDPIPE_CLUSTER_WAIT_S` (flows/execution/cluster_agents.py); the run's demand goes to Ray's
+autoscaler.
 
 A dead agent is not a lost node: Ray is asked whether the node is alive. A lost node costs only
 its shards (their task runs hand them to other nodes; the node is left out). On a live node a
@@ -44,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from flows.cluster_agents import (
+from flows.execution.cluster_agents import (
     CLEAR_S,
     CPU,
     POLL_S,

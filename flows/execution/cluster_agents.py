@@ -1,5 +1,6 @@
-"""A build-latents run's agents on a Ray cluster's nodes (flows/cluster.py): the actor, what a
-dead one's death says, clearing what a dead one left on its node, and waiting for one to start.
+"""A build-latents run's agents on a Ray cluster's nodes (flows/execution/cluster.py): the actor,
+what a dead one's death says, clearing what a dead one left on its node, and waiting for one to
+start.
 
 Every process an agent starts carries its mark in its environment (`MARK`), so the agent that
 replaces a dead one kills what the dead one left (pool workers, their children: their GPU
@@ -92,8 +93,8 @@ def clear(marks: list[str]) -> int:
 
 
 class NodeAgent:
-    """One node's worker for one build-latents run (a Ray actor; see flows/cluster.py): the
-    node's CPU agent runs CPU units; a GPU stage's agent on the node holds its GPUs and runs
+    """One node's worker for one build-latents run (a Ray actor; see flows/execution/cluster.py):
+    the node's CPU agent runs CPU units; a GPU stage's agent on the node holds its GPUs and runs
     that stage's `Devices`."""
 
     def __init__(self, env: dict[str, str], mark: str, dead: list[str]):
@@ -121,7 +122,7 @@ class NodeAgent:
     def serve(self, name: str, serve, release, shard: str) -> ShardStats:
         """One shard of this agent's GPU stage through the node's `Devices` for it: one worker
         per device, its model built once, kept for the stage's later shards."""
-        from flows.devices import Devices
+        from flows.execution.devices import Devices
 
         with self.lock:
             if self.devices is None:

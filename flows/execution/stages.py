@@ -33,8 +33,8 @@ from prefect.artifacts import (
 from prefect.filesystems import LocalFileSystem
 from prefect.futures import PrefectFuture
 
-from flows.credentials import export_secrets
-from flows.names import DISPLAY
+from flows.execution.credentials import export_secrets
+from flows.execution.names import DISPLAY
 from tasks.curation.waterfall import Waterfall, dashboard_markdown
 from tasks.runtime.shards import ShardStats, generation, is_done
 
@@ -51,7 +51,7 @@ STAGE_VERSIONS = {
     "tokens": 1,
     "hf": 1,
     "latents": 2,
-    "partitions": 1,  # a partitioned global stage's tasks (flows/partitioned.py)
+    "partitions": 1,  # a partitioned global stage's tasks (flows/execution/partitioned.py)
 }
 # Stages that read from the network get retries; compute stages fail fast.
 IO_STAGES = {"metadata": 2, "shards": 2}
@@ -135,8 +135,8 @@ def shard_task(
     `inputs`: a digest of what the unit depends on besides its stage and shard (a view's
     profile and selection), so a change to them is a cache miss, not a cached "done".
 
-    Score and encode shards hand their work to a device worker (flows/devices.py), which holds
-    a slot of the GPU pool and its device while it works.
+    Score and encode shards hand their work to a device worker (flows/execution/devices.py), which
+    holds a slot of the GPU pool and its device while it works.
     """
     stats = run()
     logger = get_run_logger()

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from flows.loopback_server import LoopbackServer
+from flows.cli.loopback_server import LoopbackServer
 
 USER = "sdpipe"
 

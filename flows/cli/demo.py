@@ -12,10 +12,11 @@ import json
 import time
 from pathlib import Path
 
-from flows import local, progress
+import flows.cli.local as local
+import flows.cli.progress as progress
 from flows.build_latents import source_summary
 from flows.curriculum import bucket_line
-from flows.stages import DISPLAY
+from flows.execution.stages import DISPLAY
 from tasks.evaluation import eval_report
 from tasks.runtime.shards import data_root
 

@@ -1,6 +1,6 @@
 """Serve every deployment from this process, for development (no work pool or worker needed).
 
-`python -m flows.serve` registers `build-latents/<source>` for every catalog source,
+`python -m flows.cli.serve` registers `build-latents/<source>` for every catalog source,
 `curriculum/<phase>` and `eval/<phase>` for every phase, `finetune/<name>` for every fine-tune
 and `generate/default`, then runs what is scheduled until interrupted. Production uses the same
 names through prefect.yaml and a process work pool.

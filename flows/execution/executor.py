@@ -1,5 +1,5 @@
 """Where a build's shard work runs: one executor interface, two kinds: this node
-(`LocalExecutor`) or the nodes of a Ray cluster (`RayExecutor`, flows/cluster.py).
+(`LocalExecutor`) or the nodes of a Ray cluster (`RayExecutor`, flows/execution/cluster.py).
 
 The build asks its executor four things and never which kind it has: `limits(node_limits)`
 (per stage, its shard task runs at once, from each node's budget and devices), `unit(stage,
@@ -15,8 +15,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from flows.cluster import Cluster, cluster_address
-from flows.devices import Devices
+from flows.execution.cluster import Cluster, cluster_address
+from flows.execution.devices import Devices
 from tasks.runtime.node import Node, local_node
 from tasks.runtime.shards import ShardStats
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from flows.names import DISPLAY
-from flows.stages import StageFailed, publish_counts
+from flows.execution.names import DISPLAY
+from flows.execution.stages import StageFailed, publish_counts
 from tasks.curation import duck, filter_partitioned, phash_partitioned, selection
 from tasks.curation import filter as flt
 from tasks.runtime import concurrency

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import time
 
-from flows.loopback_server import LoopbackServer
+from flows.cli.loopback_server import LoopbackServer
 
 
 def server_env(host: str, port: int, db: int = 0) -> dict[str, str]:
