@@ -270,13 +270,18 @@ def run_source(
     # The selection is chosen from the scores of this scorer: a re-score selects again.
     identity = run.scorer_identity
     chosen_by = f"-{score.identity_digest(identity)}" if identity else ""
-    run.run(
-        "selected",
-        {filter.ALL: functools.partial(select_pixels, root, name, profile, identity)},
-        needs_all=True,
-        inputs={filter.ALL: filter.profile_fingerprint(profile) + chosen_by},
-        done=lambda _: selection.selection_done(root, name, identity),
-    )
+    select = functools.partial(select_pixels, root, name, profile, identity)
+    on_cluster = not isinstance(nodes, LocalExecutor)
+    if partitioned.use_partitioned(on_cluster, partitioned.pixels_need_parts(root, name, profile)):
+        partitioned.select_pixels(run, identity, select)
+    else:
+        run.run(
+            "selected",
+            {filter.ALL: select},
+            needs_all=True,
+            inputs={filter.ALL: filter.profile_fingerprint(profile) + chosen_by},
+            done=lambda _: selection.selection_done(root, name, identity),
+        )
     selected_dir = root / name / "selected"
     publish_waterfall(name, selected_dir / "waterfall.json", selected_dir / "gallery.html")
 
@@ -437,11 +442,12 @@ def _fetch_then_score(run: _Run, units: dict, scorer) -> list[str]:
     return list(units)
 
 
-def select_pixels(root: Path, name: str, profile, identity: dict | None):
+def select_pixels(root: Path, name: str, profile, identity: dict | None, phash=None):
     """filter-pixels (scored when the scorer's `identity` is given); semantic dedup computes on
     a device of the node's GPU pool (CPU without GPUs), holding its slot, so it never shares a
-    GPU with score, encode or a training."""
-    options = dict(scored=identity is not None, scorer_identity=identity)
+    GPU with score, encode or a training. `phash`: its pHash level's losers
+    (`flows.execution.partitioned.select_pixels`)."""
+    options = dict(scored=identity is not None, scorer_identity=identity, phash=phash)
     if "semantic" not in profile.dedup:
         return filter_pixels.select_pixels(root, name, profile, **options)
     with pools.gpu_device() as device:

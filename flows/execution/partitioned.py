@@ -5,26 +5,36 @@ placed by the build's executor as a per-shard unit is (this node's pools, or a c
 A task's output is a folder named by its inputs (`partition_files.run_task`), so every task
 runs each time and a finished one returns its record at once (`reused`): the folders, not
 Prefect's cache, say what is done, and a rerun after a failure or a lost node redoes only the
-partitions without a folder. When the build takes this path: `use_partitioned`.
+partitions without a folder. When the build takes this path: `use_partitioned`. The metadata
+filter runs whole this way (`filter_metadata`); filter-pixels runs its pHash level this way
+(`select_pixels`), the rest of it as its one-node unit does.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from flows.execution.names import DISPLAY
 from flows.execution.stages import StageFailed, publish_counts
-from tasks.curation import duck, filter_partitioned
+from tasks.curation import duck, filter_partitioned, phash_partitioned, selection
 from tasks.curation import filter as flt
 from tasks.runtime import concurrency
 from tasks.runtime.node import Node
-from tasks.runtime.shards import ShardStats, current_node
+from tasks.runtime.shards import ShardStats, current_node, journal
 
 MODE_ENV = "SDPIPE_PARTITIONED"
 MODES = ("auto", "always", "never")
 STAGE = "partitions"  # the stage key of every partition task run (its cache key's version)
+# Tests only: "<step>:<seconds>" holds each task of that step (keys, scatter, nodes...) that
+# long before it runs, so that a test can lose a node with partitions in flight. Read on the
+# node (the cluster's agents inherit SDPIPE_* settings, `net.node_env`).
+TEST_DELAY_ENV = "SDPIPE_TEST_PARTITION_DELAY"
 
 
 def mode() -> str:
@@ -51,6 +61,17 @@ def filter_needs_parts(root: Path, source: str) -> bool:
     files = sorted((root / source / "metadata").glob("*.parquet"))
     size = duck.input_bytes(files) if files else 0
     return size * filter_partitioned.MEMORY_PER_INPUT_BYTE > filter_partitioned.task_memory()
+
+
+def pixels_need_parts(root: Path, source: str, profile) -> bool:
+    """Whether filter-pixels' pHash level has more rows than one task holds
+    (`SDPIPE_PHASH_TASK_ROWS`): the fetched shards' rows, every status (their footers' counts,
+    a bound read without a scan). False without a pHash level."""
+    if "phash" not in profile.dedup:
+        return False
+    files = sorted((root / source / "shards").glob("[0-9]*.parquet"))
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    return rows > phash_partitioned.rows_per_task()
 
 
 class PartitionTasks:
@@ -81,8 +102,9 @@ class PartitionTasks:
             expected=len(calls),
             done=lambda _: False,  # the task itself finds its folder (and says `reused`)
         )
+        folder = self.run.root / self.run.name / STAGE
         for n, call in zip(names, calls, strict=True):
-            unit = functools.partial(_on_node, fn, call, self.run.name, n)
+            unit = functools.partial(_on_node, fn, call, folder, f"{self.prefix}-{step}", n)
             one.add(n, self.run.remote(STAGE, unit, n))
         one.seal()
         self.run.stages.wait()
@@ -103,18 +125,26 @@ def _plan_name(call: tuple) -> str:
     return Path(root).name if root is not None else ""
 
 
-def _on_node(fn, call: tuple, source: str, name: str, node: Node) -> ShardStats:
+def _on_node(fn, call: tuple, folder: Path, task: str, name: str, node: Node) -> ShardStats:
     """One partition task on `node`: in the node's call pool where its budget runs GIL-bound
-    work in processes (the task counts against the budget), else in this thread."""
-    if concurrency.use_processes(node.workers):
-        record = node.in_process(node.workers, fn, *call)
-    else:
-        record = fn(*call)
+    work in processes (the task counts against the budget), else in this thread. Its start,
+    end and node go to the `partitions` progress journal (`folder`: the source's partitions)."""
+    journal(folder, name, "start", node=current_node(), task=task)
+    try:
+        _test_delay(fn)
+        if concurrency.use_processes(node.workers):
+            record = node.in_process(node.workers, fn, *call)
+        else:
+            record = fn(*call)
+    except Exception:
+        journal(folder, name, "failed", task=task)
+        raise
     record = record | {"node": current_node()}
     rows = int(record.get("rows", 0) or 0)
+    journal(folder, name, "done", num_in=rows, seconds=record.get("seconds", 0.0), task=task)
     return ShardStats(
         stage=STAGE,
-        source=source,
+        source=folder.parent.name,
         shard=name,
         num_in=rows,
         num_out=rows,
@@ -123,6 +153,12 @@ def _on_node(fn, call: tuple, source: str, name: str, node: Node) -> ShardStats:
         skipped=bool(record.get("reused")),
         node=record["node"],
     )
+
+
+def _test_delay(fn) -> None:
+    step, _, seconds = (os.environ.get(TEST_DELAY_ENV) or "").partition(":")
+    if step and fn.__name__ == f"{step}_task":
+        time.sleep(float(seconds))
 
 
 def filter_metadata(run, profile, samples_per_shard: int) -> None:
@@ -137,3 +173,22 @@ def filter_metadata(run, profile, samples_per_shard: int) -> None:
         workdir=run.root / run.name / "partitions",
     )
     publish_counts(run.name, "filter", {flt.ALL: asdict(stats)})
+
+
+def select_pixels(run, identity: dict | None, select) -> None:
+    """filter-pixels with its pHash level as partitioned tasks (`PartitionedLosers` on
+    `PartitionTasks`), the rest in this process as the one-node unit (`select(phash=...)`, the
+    flow's `select_pixels`) runs it; the same selection, record (plus `partitioned`) and counts.
+    The partition files go once the selection is written: a failed run's stay for the rerun."""
+    if run.failures:
+        raise StageFailed(
+            f"{DISPLAY['selected']} needs every shard before it: " + run.failed_message()
+        )
+    if selection.selection_done(run.root, run.name, identity):
+        return
+    losers = phash_partitioned.PartitionedLosers(
+        PartitionTasks(run, DISPLAY["selected"] + "-phash"), run.root / run.name / "partitions"
+    )
+    stats = select(phash=losers)
+    losers.cleanup()
+    publish_counts(run.name, DISPLAY["selected"], {flt.ALL: asdict(stats)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import Protocol
 
 import duckdb
 import numpy as np
@@ -39,6 +40,18 @@ RANK_ORDER = (
     "filename",
     "file_row_number",
 )
+
+
+class PhashLosers(Protocol):
+    """How a pHash level finds its losers in place of `NearHashes` (the partitioned tasks,
+    `tasks.curation.phash_partitioned.PartitionedLosers`): bool [N] as
+    `NearHashes(hashes, max_distance).losers(rank, include)`; `summary()`: what its record keeps."""
+
+    def __call__(
+        self, hashes: np.ndarray, rank: np.ndarray, max_distance: int, include: np.ndarray | None
+    ) -> np.ndarray: ...
+
+    def summary(self) -> dict: ...
 
 
 def phash_losers(hashes: np.ndarray, rank: np.ndarray, max_distance: int) -> np.ndarray:
@@ -78,6 +91,7 @@ def mark(
     *,
     device: str | torch.device | None = None,
     notes: dict | None = None,
+    phash: PhashLosers | None = None,
 ) -> tuple[int, int]:
     """Mark one level's duplicates among the still-kept rows of table `passing` (column `reason`
     NULL = kept); returns (alone: among all of them, removed: among the still-kept ones).
@@ -85,7 +99,8 @@ def mark(
     `notes` (semantic): gets `semantic_visits`; `semantic_beyond_visits`, the rows with a
     cluster within reach that they do not visit (only they can miss a duplicate); and from a
     sample of those (`semantic_sampled`), the ones that did (`semantic_missed_sample`) and the
-    estimate over all (`semantic_missed_estimate`)."""
+    estimate over all (`semantic_missed_estimate`). `phash`: finds the pHash level's losers
+    (default `NearHashes` in this process); its summary goes to `notes["partitioned"]`."""
     reason = f"duplicate_{level}"
     if level in ("key", "url", "sha256"):
         order = "filename, file_row_number" if level == "key" else "key, filename, file_row_number"
@@ -119,7 +134,14 @@ def mark(
         rows = con.sql(f"SELECT id, kept{extra} FROM ranked ORDER BY pos").fetchnumpy()
         ids, kept = rows["id"], np.asarray(rows["kept"], bool)
         rank = np.arange(len(ids))
-        if level == "phash":
+        if level == "phash" and phash is not None:
+            hashes, distance = np.asarray(rows["value"], np.uint64), profile.phash_distance
+            # Losers among the kept rows are those of a run over the kept rows alone.
+            alone = int(phash(hashes, rank, distance, None).sum())
+            lost = phash(hashes, rank, distance, kept) if alone else np.zeros(len(ids), bool)
+            if notes is not None:
+                notes["partitioned"] = {"phash": phash.summary()}
+        elif level == "phash":
             near = NearHashes(np.asarray(rows["value"], np.uint64), profile.phash_distance)
             alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
         elif len(ids):

@@ -257,10 +257,12 @@ def judge(
     label: str,
     scores_dir: Path | None = None,
     device: str | None = None,
+    phash: dedup.PhashLosers | None = None,
 ) -> Waterfall:
     """Judge the relation `rows`: leaves table `passing` (rows passing every rule, with `reason`
     NULL for the kept ones and `duplicate_<level>` for the rest) and returns the waterfall.
-    `device`: where semantic dedup computes (a GPU the caller holds a slot of; default CPU)."""
+    `device`: where semantic dedup computes (a GPU the caller holds a slot of; default CPU);
+    `phash`: how the pHash level finds its losers (`dedup.mark`)."""
     available = [r[0] for r in con.sql("DESCRIBE rows").fetchall() if r[0] not in POSITION]
     rule_list = rules(profile, stage=stage, available=set(available))
     level_list = levels(profile, stage)
@@ -283,7 +285,9 @@ def judge(
             raise AssertionError(f"rules counted {num_in} - {counts} but {num_passing} rows pass")
         notes: dict = {}  # what semantic dedup measured besides its counts
         for level in level_list:
-            marked = dedup.mark(con, profile, level, scores_dir, device=device, notes=notes)
+            marked = dedup.mark(
+                con, profile, level, scores_dir, device=device, notes=notes, phash=phash
+            )
             counts.append((f"duplicate_{level}", *marked))
         samples = sampling.result()
     samples |= _duplicate_samples(con, level_list, pixels=pixels)

@@ -11,6 +11,7 @@ import duckdb
 from catalog import FilterProfile
 from sdtrain.atomic import clean_temporaries
 from tasks.curation import duck, selection
+from tasks.curation.dedup import PhashLosers
 from tasks.curation.duck import connect, to_arrow
 from tasks.curation.filter import (
     ALL,
@@ -81,6 +82,7 @@ def select_pixels(
     scored: bool = False,
     device=None,
     scorer_identity: dict | None = None,
+    phash: PhashLosers | None = None,
 ) -> ShardStats:
     """The profile over the fetched pixels (actual sizes; with `scored`, the score stage's
     scores, pHash and embeddings) and dedup across the whole source; semantic dedup runs on
@@ -90,7 +92,8 @@ def select_pixels(
     kept keys and captions to `selected/NNNNN.parquet`, plus the waterfall and gallery.
     `scorer_identity` (`score.scorer_identity`): the scorer whose scores are read; a selection
     chosen from another's is made again, and what was built from a shard whose rows changed
-    runs again (tasks/curation/selection.py).
+    runs again (tasks/curation/selection.py). `phash`: how the pHash level finds its losers
+    (default: in this process; `phash_partitioned.PartitionedLosers`: as partition tasks).
     """
     out_dir = root / source / selection.STAGE
 
@@ -105,6 +108,7 @@ def select_pixels(
             label="filter-pixels",
             scores_dir=root / source / "scores" if scored else None,
             device=device,
+            phash=phash,
         )
         kept = to_arrow(
             con.sql(

@@ -16,8 +16,10 @@ survivor order, as `dedup.mark` numbers it); rows with no pHash are not given.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +43,7 @@ PAIR_COLUMNS = {"better": np.int64, "worse": np.int64}
 # Rows a task holds at once (its memory: ~100-200 bytes a row at the peak of a sort or table
 # pass); the number of partitions follows from it and the rows.
 ROWS_PER_TASK = 2_000_000
+ROWS_PER_TASK_ENV = "SDPIPE_PHASH_TASK_ROWS"  # overrides ROWS_PER_TASK (`rows_per_task`)
 TABLES_PER_PASS = 5  # tables whose node copies are on disk at once (16 bytes a node each)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: buckets even for clustered hashes
 
@@ -120,6 +123,11 @@ def make_plan(
         blocks=tuple(blocks),
         tables=tuple(tables) if max_distance > 0 else (),
     )
+
+
+def rows_per_task() -> int:
+    """Rows a task holds at once: `SDPIPE_PHASH_TASK_ROWS`, else ROWS_PER_TASK."""
+    return int(os.environ.get(ROWS_PER_TASK_ENV) or ROWS_PER_TASK)
 
 
 def _small(values: np.ndarray, num: int) -> np.ndarray:
@@ -386,3 +394,67 @@ def write_inputs(folder: Path, hashes: np.ndarray, rank: np.ndarray, rows_per_fi
         (folder / f"{i:05d}.tmp.npy").rename(path)
         paths.append(path)
     return paths
+
+
+class PartitionedLosers:
+    """`dedup.PhashLosers` as `run_phash` on `executor`: a call writes its rows (the included
+    ones) as input files under `workdir`, in a folder named by their content, so a rerun after
+    a failure finds the same inputs, so the same plan and its finished partitions."""
+
+    def __init__(self, executor, workdir: Path, rows: int | None = None):
+        self.executor, self.workdir = executor, Path(workdir)
+        self.rows_per_task = rows or rows_per_task()
+        self.runs: list[PhashRun] = []
+        self.folders: list[Path] = []
+
+    def __call__(
+        self, hashes: np.ndarray, rank: np.ndarray, max_distance: int, include: np.ndarray | None
+    ) -> np.ndarray:
+        if include is not None:
+            hashes, rank = hashes[include], rank[include]
+        num_ranks = int(rank.max()) + 1 if len(rank) else 0
+        out = np.zeros(len(include) if include is not None else len(rank), bool)
+        if not num_ranks:
+            return out
+        inputs = self._inputs(hashes.astype(np.uint64), rank.astype(np.int64))
+        p = make_plan(
+            inputs, num_ranks, max_distance, self.workdir, rows_per_task=self.rows_per_task
+        )
+        self.folders.append(p.root)
+        run = run_phash(p, self.executor)
+        self.runs.append(run)
+        lost = run.dropped()[rank]
+        if include is None:
+            return lost
+        out[np.flatnonzero(include)] = lost
+        return out
+
+    def _inputs(self, hashes: np.ndarray, rank: np.ndarray) -> list[Path]:
+        name = hashlib.sha256(hashes.tobytes())
+        name.update(rank.tobytes())
+        folder = self.workdir / f"phash-inputs-{name.hexdigest()[:16]}-{self.rows_per_task}"
+        self.folders.append(folder)
+        if not folder.is_dir():  # written whole under a temporary name: present is complete
+            tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_inputs(tmp, hashes, rank, self.rows_per_task)
+            tmp.rename(folder)
+        return sorted(folder.glob("[0-9]*.npy"))
+
+    def summary(self) -> dict:
+        """What the stage's record keeps of its runs (one over every row, one over the kept)."""
+        records = [r for run in self.runs for r in run.records]
+        return {
+            "runs": len(self.runs),
+            "partitions": [run.plan.num_parts for run in self.runs],
+            "rounds": [run.rounds for run in self.runs],
+            "tasks": len(records),
+            "reused": sum(bool(r.get("reused")) for r in records),
+            "nodes": sorted({str(r.get("node") or r["host"]) for r in records}),
+            "temp_bytes": max((run.peak_temp_bytes for run in self.runs), default=0),
+        }
+
+    def cleanup(self) -> None:
+        """Removes the partition files and inputs (once the stage that used them is done)."""
+        for folder in self.folders:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -77,9 +77,10 @@ def web(tmp_path_factory, small_catalog):
         yield folder, catalog, mirror
 
 
-def build(root: Path, catalog: Path, port: int, *args: str, wait: bool = True):
+def build(root: Path, catalog: Path, port: int, *args: str, wait: bool = True, **settings):
     env = {
         **os.environ,
+        **settings,
         "SDPIPE_CATALOG": str(catalog),
         "SDPIPE_DATA": str(root),
         "PREFECT_API_URL": local.api_url(port),
@@ -131,10 +132,21 @@ def nodes_of(root: Path, stage: str) -> dict[str, str]:
     return {r.shard: r.node for r in read_stats(root, "web", stage)}
 
 
+def wait_for(proc, output: list[bytes], found, deadline: float):
+    """The first event `found()` returns while the build runs (polled every 0.1 s)."""
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (event := found()) is not None:
+            return event
+        time.sleep(0.1)
+    raise AssertionError(b"".join(output)[-3000:].decode(errors="replace"))
+
+
 def journal(root: Path, stage: str) -> list[dict]:
     """The stage's progress journal: its shards' start and done events, in order (a last line
     being written is left for the next read)."""
     path = root / ".progress" / "web" / f"{stage}.jsonl"
+    if not path.exists():
+        return []
     return [
         json.loads(line)
         for line in path.read_text().splitlines(keepends=True)
@@ -155,8 +167,14 @@ def test_build_latents_runs_on_three_nodes_and_equals_a_one_node_run(
         nodes = nodes_of(root, stage)
         assert len(nodes) >= 2, (stage, nodes)
         assert len(set(nodes.values())) >= 2, (stage, nodes)
-    # Global stages ran in the flow's process, on this machine.
-    assert read_stats(root, "web", "filtered")[0].node == os.uname().nodename
+    # Global stages' records are written in the flow's process, on this machine; on a cluster
+    # (SDPIPE_PARTITIONED=auto) the metadata filter ran as partition tasks on its nodes.
+    (filtered,) = read_stats(root, "web", "filtered")
+    assert filtered.node == os.uname().nodename
+    assert filtered.extra["partitioned"]["tasks"] > 0
+    assert {e["node"] for e in journal(root, "partitions") if e["event"] == "start"} - {
+        os.uname().nodename
+    }
     # `sdpipe status` says which node did each shard.
     report = {s["stage"]: s for s in status(root)["sources"]["web"]}
     fetch = report["fetch-images"]["nodes"]
@@ -168,29 +186,42 @@ def test_build_latents_runs_on_three_nodes_and_equals_a_one_node_run(
     assert any(n.endswith(".npy") for n in mine) and any(n.endswith(".tar") for n in mine)
 
 
-def test_a_node_lost_mid_fetch_costs_only_its_shards(web, one_node, cluster, prefect_stack):
+def first_start(root: Path, stage: str, task: str | None = None):
+    """The node of the stage's first unit started (of partition task `task`), else None."""
+    starts = [
+        e
+        for e in journal(root, stage)
+        if e["event"] == "start" and (task is None or e.get("task") == task)
+    ]
+    return starts[0]["node"] if starts else None
+
+
+def test_a_node_lost_mid_filter_and_one_mid_fetch_cost_only_their_work(
+    web, one_node, cluster, prefect_stack
+):
+    """One node is lost while the partitioned filter's keys tasks run (each held a second by
+    the test seam SDPIPE_TEST_PARTITION_DELAY; a small task memory makes many of them), another
+    while fetch-images runs: each costs only its own tasks and shards."""
     folder, catalog, mirror = web
     root = folder / "lost-node" / "data"
     root.parent.mkdir()
-    names = {}  # a node's name in the records -> its Ray node id
+    names = {node_id[:6]: node_id for node_id in cluster.node_ids()}  # record name -> Ray id
     mirror.delay_s = 1.0  # a shard's fetch takes seconds: the node dies with shards in flight
-    proc = build(root, catalog, prefect_stack[1], "--cluster", cluster.address, wait=False)
+    settings = {"SDPIPE_TEST_PARTITION_DELAY": "keys:1", "SDPIPE_FILTER_TASK_MEMORY": "2000"}
+    proc = build(
+        root, catalog, prefect_stack[1], "--cluster", cluster.address, wait=False, **settings
+    )
     output: list[bytes] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 300
-        victim = None
-        while victim is None and time.monotonic() < deadline and proc.poll() is None:
-            path = root / ".progress" / "web" / "shards.jsonl"
-            starts = path.exists() and [e for e in journal(root, "shards") if e["event"] == "start"]
-            if starts:
-                victim = starts[0]["node"]
-            else:
-                time.sleep(0.1)
-        assert victim is not None, b"".join(output)[-3000:]
-        for node_id in cluster.node_ids():
-            names[node_id[:6]] = node_id
+        lost = wait_for(
+            proc, output, lambda: first_start(root, "partitions", "filter-keys"), deadline
+        )
+        cluster.kill(names[lost.rsplit("-", 1)[1]])
+        lost_tasks = len(journal(root, "partitions"))
+        victim = wait_for(proc, output, lambda: first_start(root, "shards"), deadline)
         cluster.kill(names[victim.rsplit("-", 1)[1]])
         lost_events = len(journal(root, "shards"))
         mirror.delay_s = 0.0
@@ -202,6 +233,23 @@ def test_a_node_lost_mid_fetch_costs_only_its_shards(web, one_node, cluster, pre
     reader.join(timeout=10)
     log = b"".join(output).decode(errors="replace")
     assert f"node {victim} lost" in log or victim in log, log[-3000:]
+
+    # The filter: the lost node's keys tasks in flight ran again on another node; no task that
+    # finished ran again.
+    tasks = journal(root, "partitions")
+    before, after = tasks[:lost_tasks], tasks[lost_tasks:]
+    done_before = {(e["task"], e["shard"]) for e in before if e["event"] == "done"}
+    in_flight = {
+        (e["task"], e["shard"]) for e in before if e["event"] == "start" and e["node"] == lost
+    }
+    in_flight = {t for t in in_flight - done_before if t[0] == "filter-keys"}
+    assert in_flight, (lost, before)
+    started_after = [(e["task"], e["shard"], e["node"]) for e in after if e["event"] == "start"]
+    assert not done_before & {(t, s) for t, s, _ in started_after}
+    for task in in_flight:
+        assert [n for t, s, n in started_after if (t, s) == task and n != lost], task
+    (filtered,) = read_stats(root, "web", "filtered")
+    assert filtered.extra["partitioned"]["partitions"] > 2
 
     events = journal(root, "shards")
     before, after = events[:lost_events], events[lost_events:]

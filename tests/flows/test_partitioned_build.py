@@ -1,22 +1,33 @@
-"""build-latents with the partitioned metadata filter (flows/partitioned.py) on the demo source:
-the same filtered shards and filter-pixels selection as the one-node stage; a partition task
-that fails fails the flow naming it, and the rerun runs only that partition and those after it
-(the finished ones are reused from their folders)."""
+"""build-latents with the partitioned global stages (flows/execution/partitioned.py) on the demo
+source, its profile given a pHash level: the metadata filter and filter-pixels' pHash dedup as
+partition tasks (SDPIPE_PARTITIONED=always) write the same filtered shards, selection and counts
+as the one-node stages (never). A partition task that fails fails the flow naming it, and the
+rerun runs only that partition and those after it (the finished ones are reused from their
+folders).
+
+One pair of builds serves every test (module fixture): the one-node build, and the partitioned
+build, which fails in the filter, then in filter-pixels' pHash, then completes.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.curation import filter_partitioned
+from catalog.copies import edit_entries
+from tasks.curation import filter_partitioned, phash_partitioned
 from tasks.runtime.shards import read_stats
+from tests.conftest import write_small_catalog
 
 pytestmark = pytest.mark.slow
 
-FAILING = 1  # the keys partition that fails on its first attempt
+FAILING_KEYS = 1  # the filter's keys partition that fails on its first attempt
+FAILING_NODES = 1  # the pHash nodes partition (of the run over every row) that fails once
+PHASH_DISTANCE = 12  # wide enough on the demo's images for chains and drops among the kept
 
 
 def _build(root: Path):
@@ -40,48 +51,108 @@ def _tables(folder: Path) -> dict[str, list]:
     }
 
 
-def test_partitioned_filter_equals_one_node_and_reruns_only_the_failed_partition(
-    prefect_stack, tmp_path, monkeypatch
-):
-    one_node, parted = tmp_path / "one-node", tmp_path / "partitioned"
-    monkeypatch.setenv("SDPIPE_PARTITIONED", "never")
-    assert _build(one_node).is_completed()
+@dataclass
+class Builds:
+    one_node: Path
+    parted: Path
+    messages: list[str] = field(default_factory=list)  # of the failed partitioned runs
+    keys_rerun: list[int] = field(default_factory=list)  # keys partitions the 2nd run ran
+    nodes_rerun: list[tuple] = field(default_factory=list)  # (plan, bucket) the 3rd run ran
 
-    # auto: a task memory this small needs several partitions, so the partitioned path runs.
-    monkeypatch.setenv("SDPIPE_PARTITIONED", "auto")
-    monkeypatch.setenv(filter_partitioned.TASK_MEMORY_ENV, "4000")
-    keys_work, attempts, failed = filter_partitioned._keys, [], []
+
+@pytest.fixture(scope="module")
+def builds(prefect_stack, tmp_path_factory) -> Builds:
+    base = tmp_path_factory.mktemp("partitioned-build")
+    catalog = write_small_catalog(base / "catalog")
+    with edit_entries(catalog / "profiles.yaml") as profiles:
+        profiles["demo"]["dedup"] = ["url", "sha256", "phash"]
+        profiles["demo"]["phash_distance"] = PHASH_DISTANCE
+    out = Builds(one_node=base / "one-node", parted=base / "partitioned")
+    keys_work, nodes_work = filter_partitioned._keys, phash_partitioned._nodes
+    keys_seen, nodes_seen, failed = [], [], set()
 
     def keys_failing_once(tmp, p, k):
-        attempts.append(k)
-        if k == FAILING and not failed:
-            failed.append(k)
+        keys_seen.append(k)
+        if k == FAILING_KEYS and "keys" not in failed:
+            failed.add("keys")
             raise RuntimeError(f"keys partition {k} fails this once")
         return keys_work(tmp, p, k)
 
-    monkeypatch.setattr(filter_partitioned, "_keys", keys_failing_once)
-    state = _build(parted)
-    assert state.is_failed()
-    assert f"filter-keys-demo-{FAILING:05d}" in state.message
-    assert not list((parted / "demo" / "filtered").glob("[0-9]*.parquet"))
+    def nodes_failing_once(tmp, p, b):
+        nodes_seen.append((p.root.name, b))
+        if b == FAILING_NODES and "nodes" not in failed:  # the first plan's (every row)
+            failed.add("nodes")
+            raise RuntimeError(f"pHash nodes partition {b} fails this once")
+        return nodes_work(tmp, p, b)
 
-    attempts.clear()
-    state = _build(parted)
-    assert state.is_completed(), state.message
-    assert attempts == [FAILING]  # the other keys partitions were not run again
-    (record,) = read_stats(parted, "demo", "filtered")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SDPIPE_CATALOG", str(catalog))
+        mp.setenv("SDPIPE_PARTITIONED", "never")
+        state = _build(out.one_node)
+        assert state.is_completed(), state.message
+
+        mp.setenv("SDPIPE_PARTITIONED", "always")
+        # Several partitions on the demo's few rows: each stage's tasks see awkward splits.
+        mp.setenv(filter_partitioned.TASK_MEMORY_ENV, "4000")
+        mp.setenv(phash_partitioned.ROWS_PER_TASK_ENV, "16")
+        mp.setattr(filter_partitioned, "_keys", keys_failing_once)
+        mp.setattr(phash_partitioned, "_nodes", nodes_failing_once)
+        state = _build(out.parted)
+        assert state.is_failed()
+        out.messages.append(state.message)
+        assert not list((out.parted / "demo" / "filtered").glob("[0-9]*.parquet"))
+
+        keys_seen.clear()
+        state = _build(out.parted)
+        assert state.is_failed()
+        out.messages.append(state.message)
+        out.keys_rerun = list(keys_seen)
+        assert not list((out.parted / "demo" / "selected").glob("[0-9]*.parquet"))
+
+        first_plan = nodes_seen[0][0]
+        nodes_seen.clear()
+        state = _build(out.parted)
+        assert state.is_completed(), state.message
+        out.nodes_rerun = [b for plan, b in nodes_seen if plan == first_plan]
+    return out
+
+
+def _counts(root: Path, stage: str) -> tuple:
+    (record,) = read_stats(root, "demo", stage)
+    return record.num_in, record.num_out, record.dropped
+
+
+def test_partitioned_filter_and_filter_pixels_equal_one_node(builds):
+    for stage in ("filtered", "selected"):
+        tables = _tables(builds.parted / "demo" / stage)
+        assert tables and tables == _tables(builds.one_node / "demo" / stage), stage
+        assert _counts(builds.parted, stage) == _counts(builds.one_node, stage), stage
+    (selected,) = read_stats(builds.parted, "demo", "selected")
+    assert selected.dropped.get("duplicate_phash", 0) > 0  # the pHash level decided something
+    phash = selected.extra["partitioned"]["phash"]
+    assert phash["runs"] == 2 and phash["partitions"][0] > 2  # every row, then the kept ones
+    assert phash["nodes"]  # each task's record says where it ran
+    (one_node,) = read_stats(builds.one_node, "demo", "selected")
+    assert "partitioned" not in one_node.extra
+    # Once the selection is written its partition files go (a failed run's stayed).
+    assert not list((builds.parted / "demo" / "partitions").glob("phash-*"))
+
+
+def test_a_failed_partition_fails_the_build_naming_it_and_the_rerun_runs_it_alone(builds):
+    filter_failed, phash_failed = builds.messages
+    assert f"filter-keys-demo-{FAILING_KEYS:05d}" in filter_failed
+    assert f"filter-pixels-phash-nodes-demo-{FAILING_NODES:05d}" in phash_failed
+    assert builds.keys_rerun == [FAILING_KEYS]  # the other keys partitions were not run again
+    assert builds.nodes_rerun == [FAILING_NODES]
+
+    (record,) = read_stats(builds.parted, "demo", "filtered")
     summary = record.extra["partitioned"]
     assert summary["partitions"] > 2
     # Reused: every scatter task and every keys partition but the one that failed.
-    num_inputs = len(list((parted / "demo" / "metadata").glob("*.parquet")))
+    num_inputs = len(list((builds.parted / "demo" / "metadata").glob("*.parquet")))
     assert summary["reused"] == num_inputs + summary["partitions"] - 1
-
-    (base,) = read_stats(one_node, "demo", "filtered")
-    assert (record.num_in, record.num_out, record.dropped) == (
-        base.num_in,
-        base.num_out,
-        base.dropped,
-    )
-    for stage in ("filtered", "selected"):
-        tables = _tables(parted / "demo" / stage)
-        assert tables and tables == _tables(one_node / "demo" / stage), stage
+    (selected,) = read_stats(builds.parted, "demo", "selected")
+    phash = selected.extra["partitioned"]["phash"]
+    # Reused in the first pHash run: its scatter tasks and the nodes partitions that finished.
+    num_scatter = phash["partitions"][0]  # one input file of ROWS_PER_TASK rows per partition
+    assert phash["reused"] >= num_scatter + phash["partitions"][0] - 1

@@ -158,3 +158,25 @@ def test_tasks_in_worker_processes_decide_as_in_one(tmp_path):
         run = pp.run_phash(plan, workers)
     assert len({r["pid"] for r in run.records}) == 2
     assert (run.dropped()[rank] == dedup.phash_losers(hashes, rank, 4)).all()
+
+
+def test_partitioned_losers_decide_as_near_hashes_over_all_and_over_the_included(tmp_path):
+    """The hook filter-pixels' pHash level takes (`dedup.mark(phash=)`): losers among all rows,
+    and among an included subset, as `NearHashes.losers(rank, include)`; a second hook over the
+    same rows reuses every partition."""
+    rng = np.random.default_rng(5)
+    hashes = dense(rng, 700)
+    rank = rng.permutation(len(hashes))
+    include = rng.random(len(hashes)) < 0.6
+    near = phash_dedup.NearHashes(hashes, 3)
+    losers = pp.PartitionedLosers(LocalProcesses(0), tmp_path / "work", rows=128)
+    assert np.array_equal(losers(hashes, rank, 3, None), near.losers(rank))
+    assert np.array_equal(losers(hashes, rank, 3, include), near.losers(rank, include))
+    summary = losers.summary()
+    assert summary["runs"] == 2 and summary["partitions"][0] == 6 and summary["reused"] == 0
+
+    again = pp.PartitionedLosers(LocalProcesses(0), tmp_path / "work", rows=128)
+    assert np.array_equal(again(hashes, rank, 3, include), near.losers(rank, include))
+    assert again.summary()["reused"] == again.summary()["tasks"]
+    losers.cleanup()
+    assert not list((tmp_path / "work").iterdir())  # partition files and inputs alike
