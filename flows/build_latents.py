@@ -160,8 +160,14 @@ def stage_limits(budget: int, devices: int, *, archive: bool = False) -> dict[st
         "views": budget,
         "tokens": budget,
         "latents": SHARDS_PER_DEVICE * devices,
-        "partitions": budget,
     }
+
+
+def node_limits(budget: int, devices: int, *, archive: bool = False) -> dict[str, int]:
+    """A node's limits: its stages' (`stage_limits`) and its partition task runs at once
+    (flows/execution/partitioned.py: one per worker of the budget, each in a process of the
+    node's call pool)."""
+    return stage_limits(budget, devices, archive=archive) | {"partitions": budget}
 
 
 class _Run:
@@ -171,7 +177,7 @@ class _Run:
         self.root, self.name, self.nodes = root, src.name, nodes
         # Each node's limits (on a cluster summed: every node at its one-node pace).
         archive = src.kind in ("archive", "folder")
-        self.limits = nodes.limits(functools.partial(stage_limits, archive=archive))
+        self.limits = nodes.limits(functools.partial(node_limits, archive=archive))
         self.stages = StageRun(root, src.name)
         self.failures: list[str] = []
         self.permanent: list[str] = []  # what a retry cannot fix, in the unit's own words

@@ -368,7 +368,7 @@ def test_a_keys_file_with_buckets_but_missing_bucket_rows_fails_naming_the_shard
 
 
 def test_sdpipe_plan_prints_the_occupancy_per_rank(tmp_path, monkeypatch, capsys):
-    from flows import cli
+    from flows.cli import commands as cli
 
     buckets = ["16x16"] * 19 + ["24x16"] * 3
     keys = bucketed_source(tmp_path, "a", {"00000": buckets})

@@ -11,7 +11,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from catalog import MixEntry
-from flows import cli
+from flows.cli import commands as cli
 from sdtrain.data import BucketBatchSampler, EpochSampler
 from sdtrain.schedules import total_optimizer_steps
 from tasks.phases import plan
