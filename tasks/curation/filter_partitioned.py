@@ -550,6 +550,7 @@ def filter_metadata(
     executor: LocalProcesses | None = None,
     memory: int | None = None,
     workdir: Path | None = None,
+    hot_rows: int | None = None,
 ) -> ShardStats:
     """`filter.filter_metadata` as partitioned tasks: the same shards, waterfall and record
     (plus `partitioned`: partitions, tasks, peak task memory, temporary disk). The partition
@@ -560,7 +561,7 @@ def filter_metadata(
 
     def work(stats: ShardStats) -> None:
         files = sorted((root / source / "metadata").glob("*.parquet"))
-        plan = make_plan(files, profile, workdir, memory=memory, workers=workers)
+        plan = make_plan(files, profile, workdir, memory=memory, workers=workers, hot_rows=hot_rows)
         run = run_filter(plan, samples_per_shard, executor)
         commit(run, out_dir, samples_per_shard)
         flt.record(stats, run.wf)
@@ -581,6 +582,7 @@ def summary(run: FilterRun) -> dict:
     """What the run's record keeps of its tasks."""
     p = run.plan
     cpu = [r["cpu_seconds"] for r in run.records]
+    urls = [r["rows"] for r in run.records if r["task"].startswith("urls/")]
     return {
         "partitions": p.num_parts,
         "tasks": len(run.records),
@@ -588,6 +590,10 @@ def summary(run: FilterRun) -> dict:
         "task_memory": p.task_memory,
         "task_cpu_seconds": round(sum(cpu), 3),
         "largest_task_share": round(max(cpu, default=0) / max(sum(cpu), 1e-9), 4),
+        # Rows in the largest urls task over all of theirs (1/partitions when even): a hot URL
+        # left whole would raise it.
+        "largest_urls_rows": max(urls, default=0),
+        "largest_urls_share": round(max(urls, default=0) / max(1, sum(urls)), 4),
         "peak_task_rss_gb": max((r["peak_rss_gb"] for r in run.records), default=0.0),
         "temp_bytes": run.peak_temp_bytes,
         "input_bytes": p.input_bytes,
