@@ -248,9 +248,8 @@ def _keys(tmp: Path, p: FilterPlan, k: int) -> dict:
 
 def _urls(tmp: Path, p: FilterPlan, u: int, splitters: list[str]) -> dict:
     files = p.parts("scatter", "rows", "upart", u)
-    empty = {"rows": 0, "kept": 0, "duplicate_url": [0, 0], "samples": {}}
     if not files:
-        return empty
+        return {"rows": 0, "kept": 0, "duplicate_url": [0, 0], "samples": {}}
     con = _connect(p)
     con.sql("SET preserve_insertion_order = false")
     losers = p.parts("keys", "losers", "upart", u)
@@ -369,8 +368,7 @@ def _hot(tmp: Path, p: FilterPlan, h: int, splitters: list[str]) -> dict:
     ).to_pylist()
     out["samples"] = {"duplicate_url": [[row["pos"], flt._sample(row, False)] for row in found]}
     counts = _keep(con, p, "SELECT * EXCLUDE (copy) FROM judged WHERE NOT copy", splitters, tmp)
-    removed = int(flt._scalar(con, "SELECT count(*) FROM judged WHERE copy"))
-    rows = int(flt._scalar(con, "SELECT count(*) FROM rows"))
+    removed, rows = con.sql("SELECT count_if(copy), count(*) FROM judged").fetchall()[0]
     return out | {"rows": rows, "kept": int(counts.sum()), "duplicate_url": [-num_hot, removed]}
 
 
@@ -590,8 +588,7 @@ def summary(run: FilterRun) -> dict:
         "task_memory": p.task_memory,
         "task_cpu_seconds": round(sum(cpu), 3),
         "largest_task_share": round(max(cpu, default=0) / max(sum(cpu), 1e-9), 4),
-        # Rows in the largest urls task over all of theirs (1/partitions when even): a hot URL
-        # left whole would raise it.
+        # The largest urls task's rows over all of theirs (1/partitions when even).
         "largest_urls_rows": max(urls, default=0),
         "largest_urls_share": round(max(urls, default=0) / max(1, sum(urls)), 4),
         "peak_task_rss_gb": max((r["peak_rss_gb"] for r in run.records), default=0.0),
