@@ -7,8 +7,10 @@ runs in a worker process of its own (its peak RSS is its own), spilling under it
 as it does; the partitioned one runs its tasks in --workers local processes, each under
 --task-memory with spilling off. agreement: the share of shards byte-identical (with the same
 names), beside `waterfall_equal`. temp_bytes: the partition files at their largest.
+--hot-url-rows H plants one URL on H rows spread over the files; largest_urls_share: the largest
+urls task's rows over all of theirs (1/partitions when even).
 Usage: python bench/global_filter.py --rows N [--workers K] [--task-memory BYTES]
-       [--one-node-memory SIZE] [--work-dir D]
+       [--one-node-memory SIZE] [--work-dir D] [--hot-url-rows H]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 
+import numpy as np
 from filter import cached_files, spilled_bytes
 
 from catalog import FilterProfile
@@ -47,6 +50,28 @@ def data_root(parent: Path, name: str, paths: list[Path]) -> Path:
     for path in paths:
         (root / SOURCE / "metadata" / path.name).symlink_to(path)
     return root
+
+
+def plant_hot_url(paths: list[Path], num_rows: int, folder: Path) -> list[Path]:
+    """Copies of `paths` (under `folder`) with every k-th row's URL one URL, num_rows in all."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from tasks.sources import table as sample_table
+
+    total = sum(pq.read_metadata(p).num_rows for p in paths)
+    stride, at, out = max(1, total // max(1, num_rows)), 0, []
+    for path in paths:
+        table = pq.read_table(path)
+        index = np.arange(at, at + len(table))
+        hot = pa.array((index % stride == 0) & (index // stride < num_rows))
+        url = pc.if_else(hot, pa.scalar("http://hot.example/placeholder.png"), table["url"])
+        table = table.set_column(table.schema.get_field_index("url"), "url", url)
+        sample_table.write_table(table, folder / path.name)
+        out.append(folder / path.name)
+        at += len(table)
+    return out
 
 
 def one_node(root: Path, per_shard: int, memory_limit: str) -> dict:
@@ -102,6 +127,9 @@ def bench(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sdpipe-bench-global-filter-", dir=args.work_dir))
     out: dict = {"bench": "global_filter", "rows": args.rows, "profile": LOOSE.name}
     try:
+        if args.hot_url_rows:
+            (work / "planted").mkdir()
+            paths = plant_hot_url(paths, args.hot_url_rows, work / "planted")
         one_root = data_root(work, "one", paths)
         parts_root = data_root(work, "parts", paths)
         load_before = round(os.getloadavg()[0], 2)
@@ -137,6 +165,8 @@ def bench(args) -> dict:
         "cpu_seconds": round(task_cpu + driver_cpu, 2),
         "peak_task_rss_gb": summary["peak_task_rss_gb"],
         "largest_task_share": summary["largest_task_share"],
+        "hot_url_rows": args.hot_url_rows,
+        "largest_urls_share": summary["largest_urls_share"],
         "temp_bytes": summary["temp_bytes"],
         "temp_bytes_per_row": round(summary["temp_bytes"] / max(1, args.rows), 1),
         "spill_bytes": 0,  # spilling is off in every task: one over its memory fails instead
@@ -169,6 +199,7 @@ def main() -> None:
     # The one-node stage's DuckDB memory (it spills past it, as at full scale).
     parser.add_argument("--one-node-memory", default="4GB")
     parser.add_argument("--samples-per-shard", type=int, default=10_000)
+    parser.add_argument("--hot-url-rows", type=int, default=0)
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache/sdpipe/bench")
     parser.add_argument("--work-dir", type=Path, default=None, help="the data roots' disk")
     print(json.dumps(bench(parser.parse_args())), flush=True)

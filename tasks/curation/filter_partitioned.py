@@ -1,12 +1,12 @@
 """The metadata filter with URL dedup as many bounded tasks over partition files, writing the
 filtered shards exactly as `filter.filter_metadata` does (the same rows per shard, same order).
 
-scatter (per input file: the rules, their counts and samples; passing rows by URL hash, their
-keys by key hash) -> keys (per key hash: copies of a key after the first by file position)
--> urls (per URL hash: the URL keep-rule on the rows left, kept rows by key range) -> ranges
-(per key range, its global offset known from the counts: key-sorted, cut at shard boundaries)
--> commit (whole shards linked into place, a shard spanning ranges joined from its pieces).
-Every copy of a key, or of a URL, lands in one task, so each decision is local and the same.
+scatter (per input file: the rules, their counts and samples; passing rows by URL hash, a URL
+hot in the file spread by row; keys by key hash) -> keys (per key hash: copies of a key after the
+first by file position) -> urls (per URL hash: the URL keep-rule on the rows left, kept rows by
+key range; a hot URL's local best as a candidate) -> hot (per hot URL's hash: the best candidate)
+-> ranges (per key range, its global offset known from the counts: key-sorted, cut at shard
+boundaries) -> commit (whole shards linked, a shard spanning ranges joined from its pieces).
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ SAMPLES_PER_RANGE = 200  # keys sampled per key range to place the splitters
 SAMPLE_DENOMINATOR = 1_000_000
 FLUSH_ROWS, MAX_OPEN_FILES = 32_768, 16  # a partitioned write's buffers (`_connect`)
 POS_BITS = 40  # pos = input file index << 40 | row in file: the one-node tie order
+# A URL on more than `hot_rows` passing rows of one file is spread over every urls task (then
+# judged in two steps); hot_rows is such that a URL under it in every file adds at most
+# 1/HOT_SHARE of an average urls task to its own. Found in a stride sample of at most
+# HOT_SAMPLE_ROWS rows a file (memory bounded; which URLs are spread never changes the output).
+HOT_SHARE, HOT_FLOOR, HOT_SAMPLE_ROWS = 8, 64, 2**20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +66,7 @@ class FilterPlan:
     num_parts: int  # URL hashes, key hashes and key ranges alike
     task_memory: int
     threads: int
+    hot_rows: int
 
     def folder(self, stage: str, *index: int) -> Path:
         return self.root.joinpath(stage, *(f"{i:05d}" for i in index))
@@ -87,9 +93,11 @@ def make_plan(
     *,
     memory: int | None = None,
     workers: int = 1,
+    hot_rows: int | None = None,
 ) -> FilterPlan:
     """The partitions for metadata `files` from their uncompressed size and `memory` per task;
-    a profile that reads a column the rows lack fails here, as the one-node stage fails."""
+    a profile that reads a column the rows lack fails here, as the one-node stage fails.
+    `hot_rows`: a URL's rows in one file above which they are spread (default from HOT_SHARE)."""
     files = sorted(Path(f) for f in files)
     memory = memory or task_memory()
     size = duck.input_bytes(files)
@@ -108,8 +116,11 @@ def make_plan(
     num_rows = sum(pq.read_metadata(f).num_rows for f in files)
     num_parts = max(1, math.ceil(size * MEMORY_PER_INPUT_BYTE / memory))
     settings = flt.profile_settings(profile)
+    if hot_rows is None:
+        per_task = num_rows / (num_parts * max(1, len(files)) * HOT_SHARE)
+        hot_rows = max(HOT_FLOOR, math.ceil(per_task))
     ids = [file_identity(f) for f in files]
-    name = digest(ids, settings, num_parts, memory, duckdb.__version__)
+    name = digest(ids, settings, num_parts, memory, hot_rows, duckdb.__version__)
     return FilterPlan(
         root=Path(workdir) / f"filter-{name}",
         inputs=tuple(str(f) for f in files),
@@ -120,6 +131,7 @@ def make_plan(
         num_parts=num_parts,
         task_memory=memory,
         threads=max(1, (os.cpu_count() or 1) // max(1, workers)),
+        hot_rows=hot_rows,
     )
 
 
@@ -167,6 +179,23 @@ def _scatter(tmp: Path, p: FilterPlan, i: int) -> dict:
     pos = f"({i}::BIGINT << {POS_BITS}) | file_row_number"
     # A row with no URL is no URL's copy: any partition does; its key spreads them.
     upart = f"hash(coalesce(url, key)) % {p.num_parts}"
+    if "url" not in flt.levels(p.profile, "metadata"):
+        upart = f"hash({pos}) % {p.num_parts}"  # no URL decision: every row goes anywhere
+    elif p.num_parts > 1:
+        # This file's hot URLs, from a stride sample; their rows go anywhere, and the list goes
+        # to their URL hash's urls task (`_urls`: a row away from home is a spread one).
+        stride = max(1, math.ceil(pq.read_metadata(path).num_rows / HOT_SAMPLE_ROWS))
+        con.sql(
+            f"CREATE TEMP TABLE hot AS SELECT url, hash(url) % {p.num_parts} AS upart FROM rows "
+            f"WHERE file_row_number % {stride} = 0 AND url IS NOT NULL AND {where} GROUP BY url "
+            f"HAVING count(*) > {max(1, p.hot_rows // stride)}"
+        )
+        if flt._scalar(con, "SELECT count(*) FROM hot"):
+            _copy(con, "SELECT * FROM hot", tmp / "hot", "upart")
+            upart = (
+                f"CASE WHEN url IN (SELECT url FROM hot) THEN hash(url, {pos}) % {p.num_parts} "
+                f"ELSE {upart} END"
+            )
     _copy(
         con,
         f"SELECT * EXCLUDE (filename, file_row_number), {pos} AS pos, {upart} AS upart "
@@ -219,31 +248,42 @@ def _keys(tmp: Path, p: FilterPlan, k: int) -> dict:
 
 def _urls(tmp: Path, p: FilterPlan, u: int, splitters: list[str]) -> dict:
     files = p.parts("scatter", "rows", "upart", u)
-    empty = {"rows": 0, "kept": 0, "duplicate_url": [0, 0], "samples": {}}
     if not files:
-        return empty
+        return {"rows": 0, "kept": 0, "duplicate_url": [0, 0], "samples": {}}
     con = _connect(p)
     con.sql("SET preserve_insertion_order = false")
     losers = p.parts("keys", "losers", "upart", u)
     lost = f"pos IN (SELECT pos FROM {_read(losers)})" if losers else "false"
     con.sql(f"CREATE VIEW rows AS SELECT * FROM {_read(files)}")
-    con.sql(f"CREATE VIEW marked AS SELECT *, {lost} AS loser FROM rows")
     if "url" in flt.levels(p.profile, "metadata"):
+        hot_list = p.parts("scatter", "hot", "upart", u)  # the hot URLs whose hash is u
+        listed = f"url IN (SELECT url FROM {_read(hot_list)})" if hot_list else "false"
+        # A hot URL's rows are here by their hash (and listed) or spread here from elsewhere:
+        # hot in every task that holds some.
+        hot = f"url IS NOT NULL AND (hash(url) % {p.num_parts} <> {u} OR {listed})"
+        con.sql(f"CREATE VIEW marked AS SELECT *, {lost} AS loser, {hot} AS hot FROM rows")
         # The one-node keep-rule (`dedup.mark`): among the rows left after key dedup, the
         # smallest key (keys are unique there), NULL keys last by file position. Only URLs held
-        # by more than one row are kept in the table; a hot URL is one group of it.
+        # by more than one row are kept in the table. A hot URL's best row here is a candidate
+        # (`_hot` picks among them), its other rows copies; its count is all its rows here,
+        # `_hot` takes one off per URL.
         con.sql(
-            "CREATE TEMP TABLE repeated AS SELECT url, count(*) - 1 AS extra, "
+            "CREATE TEMP TABLE repeated AS SELECT url, any_value(hot) AS hot, "
+            "count(*) - 1 + any_value(hot)::INT AS extra, "
             "coalesce(arg_min(pos, key) FILTER (NOT loser), min(pos) FILTER (NOT loser)) AS keep "
-            "FROM marked WHERE url IS NOT NULL GROUP BY url HAVING count(*) > 1"
+            "FROM marked WHERE url IS NOT NULL GROUP BY url HAVING count(*) > 1 OR any_value(hot)"
         )
         con.sql(
-            "CREATE VIEW judged AS SELECT m.*, r.keep IS NOT NULL AND NOT m.loser AND m.pos <> "
-            "r.keep AS copy FROM marked m LEFT JOIN repeated r USING (url)"
+            "CREATE VIEW judged AS SELECT m.* EXCLUDE (hot), r.keep IS NOT NULL AND NOT m.loser "
+            "AND m.pos <> r.keep AS copy, coalesce(r.hot AND m.pos = r.keep, false) AS candidate "
+            "FROM marked m LEFT JOIN repeated r USING (url)"
         )
         alone = int(flt._scalar(con, "SELECT coalesce(sum(extra), 0) FROM repeated"))
     else:
-        con.sql("CREATE VIEW judged AS SELECT *, false AS copy FROM marked")
+        con.sql(
+            f"CREATE VIEW judged AS SELECT *, {lost} AS loser, false AS copy, false AS candidate "
+            "FROM rows"
+        )
         alone = 0
     columns = flt._sample_columns(con)
     samples = {}
@@ -255,12 +295,37 @@ def _urls(tmp: Path, p: FilterPlan, u: int, splitters: list[str]) -> dict:
             )
         ).to_pylist()
         samples[reason] = [[row["pos"], flt._sample(row, False)] for row in found]
+    if flt._scalar(con, "SELECT count(*) FROM judged WHERE candidate"):
+        _copy(
+            con,
+            f"SELECT * EXCLUDE (loser, copy, candidate), hash(url) % {p.num_parts} AS home "
+            "FROM judged WHERE candidate",
+            tmp / "hot",
+            "home",
+        )
+    counts = _keep(
+        con,
+        p,
+        "SELECT * EXCLUDE (loser, copy, candidate) FROM judged "
+        "WHERE NOT loser AND NOT copy AND NOT candidate",
+        splitters,
+        tmp,
+    )
+    removed = int(flt._scalar(con, "SELECT count(*) FROM judged WHERE copy"))
+    num_rows = int(flt._scalar(con, "SELECT count(*) FROM rows"))
+    return {"rows": num_rows, "kept": int(counts.sum()), "duplicate_url": [alone, removed]} | {
+        "samples": samples
+    }
+
+
+def _keep(con, p: FilterPlan, query: str, splitters: list[str], tmp: Path) -> np.ndarray:
+    """The rows of `query` into `kept/` by key range, and their count per range (`counts.npy`)."""
     con.register("splitters", pa.table({"r": range(len(splitters) + 1), "lo": ["", *splitters]}))
     # A NULL key sorts last (ORDER BY key): the last range.
     _copy(
         con,
-        f"SELECT j.* EXCLUDE (loser, copy), coalesce(s.r, {p.num_parts - 1}) AS r FROM judged j "
-        "ASOF LEFT JOIN splitters s ON j.key >= s.lo WHERE NOT loser AND NOT copy",
+        f"SELECT j.*, coalesce(s.r, {p.num_parts - 1}) AS r FROM ({query}) j "
+        "ASOF LEFT JOIN splitters s ON j.key >= s.lo",
         tmp / "kept",
         "r",
     )
@@ -272,18 +337,46 @@ def _urls(tmp: Path, p: FilterPlan, u: int, splitters: list[str]) -> dict:
         ).fetchall():
             counts[r] = n
     np.save(tmp / "counts.npy", counts)
-    removed = int(flt._scalar(con, "SELECT count(*) FROM judged WHERE copy"))
-    num_rows = int(flt._scalar(con, "SELECT count(*) FROM rows"))
-    return {"rows": num_rows, "kept": int(counts.sum()), "duplicate_url": [alone, removed]} | {
-        "samples": samples
-    }
+    return counts
+
+
+def _hot(tmp: Path, p: FilterPlan, h: int, splitters: list[str]) -> dict:
+    """The hot URLs whose hash is h: the best of each one's candidates (the one-node rule among
+    them: each is the best of its task's rows) kept, the others copies."""
+    con = _connect(p)
+    listed = _read(p.parts("scatter", "hot", "upart", h))
+    num_hot = flt._scalar(con, f"SELECT count(DISTINCT url) FROM {listed}")
+    files = p.parts("urls", "hot", "home", h)
+    out = {"rows": 0, "kept": 0, "duplicate_url": [-num_hot, 0], "samples": {}}
+    if not files:  # every row of these URLs lost to a copy of its key
+        return out
+    con.sql("SET preserve_insertion_order = false")
+    con.sql(f"CREATE VIEW rows AS SELECT * FROM {_read(files)}")
+    con.sql(
+        "CREATE TEMP TABLE best AS SELECT url, coalesce(arg_min(pos, key), min(pos)) AS keep "
+        "FROM rows GROUP BY url"
+    )
+    con.sql(
+        "CREATE VIEW judged AS SELECT r.*, r.pos <> b.keep AS copy FROM rows r JOIN best b "
+        "USING (url)"
+    )
+    found = duck.to_arrow(
+        con.sql(
+            f"SELECT {flt._sample_columns(con)}, pos FROM judged WHERE copy ORDER BY key, pos "
+            f"LIMIT {waterfall.MAX_SAMPLES}"
+        )
+    ).to_pylist()
+    out["samples"] = {"duplicate_url": [[row["pos"], flt._sample(row, False)] for row in found]}
+    counts = _keep(con, p, "SELECT * EXCLUDE (copy) FROM judged WHERE NOT copy", splitters, tmp)
+    removed, rows = con.sql("SELECT count_if(copy), count(*) FROM judged").fetchall()[0]
+    return out | {"rows": rows, "kept": int(counts.sum()), "duplicate_url": [-num_hot, removed]}
 
 
 def _range(tmp: Path, p: FilterPlan, r: int, offset: int, samples_per_shard: int) -> dict:
     """Range `r`'s kept rows by key, rows [offset, offset + n) of the output: the shards wholly
     inside it as the stage writes them, the parts of shards it shares with a neighbour as
     pieces."""
-    files = p.parts("urls", "kept", "r", r)
+    files = p.parts("urls", "kept", "r", r) + p.parts("hot", "kept", "r", r)
     if not files:
         return {"rows": 0, "shards": 0, "pieces": 0}
     con = _connect(p)
@@ -327,6 +420,10 @@ def keys_task(p: FilterPlan, k: int) -> dict:
 
 def urls_task(p: FilterPlan, u: int, splitters: list[str]) -> dict:
     return run_task(p.root, p.folder("urls", u), _urls, p, u, splitters)
+
+
+def hot_task(p: FilterPlan, h: int, splitters: list[str]) -> dict:
+    return run_task(p.root, p.folder("hot", h), _hot, p, h, splitters)
 
 
 def range_task(p: FilterPlan, r: int, offset: int, samples_per_shard: int) -> dict:
@@ -374,9 +471,11 @@ def run_filter(
     keyed = run.stage(executor, keys_task, [(p, k) for k in parts])
     cuts = splitters(p)
     urls = run.stage(executor, urls_task, [(p, u, cuts) for u in parts])
+    homes = [h for h in parts if p.parts("scatter", "hot", "upart", h)]
+    urls += run.stage(executor, hot_task, [(p, h, cuts) for h in homes])
     counts = np.zeros(p.num_parts, np.int64)
-    for u in parts:
-        if (at := p.folder("urls", u) / "counts.npy").exists():
+    for folder in [p.folder("urls", u) for u in parts] + [p.folder("hot", h) for h in homes]:
+        if (at := folder / "counts.npy").exists():
             counts += np.load(at)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     calls = [(p, r, int(offsets[r]), samples_per_shard) for r in parts if counts[r]]
@@ -449,6 +548,7 @@ def filter_metadata(
     executor: LocalProcesses | None = None,
     memory: int | None = None,
     workdir: Path | None = None,
+    hot_rows: int | None = None,
 ) -> ShardStats:
     """`filter.filter_metadata` as partitioned tasks: the same shards, waterfall and record
     (plus `partitioned`: partitions, tasks, peak task memory, temporary disk). The partition
@@ -459,7 +559,7 @@ def filter_metadata(
 
     def work(stats: ShardStats) -> None:
         files = sorted((root / source / "metadata").glob("*.parquet"))
-        plan = make_plan(files, profile, workdir, memory=memory, workers=workers)
+        plan = make_plan(files, profile, workdir, memory=memory, workers=workers, hot_rows=hot_rows)
         run = run_filter(plan, samples_per_shard, executor)
         commit(run, out_dir, samples_per_shard)
         flt.record(stats, run.wf)
@@ -480,6 +580,7 @@ def summary(run: FilterRun) -> dict:
     """What the run's record keeps of its tasks."""
     p = run.plan
     cpu = [r["cpu_seconds"] for r in run.records]
+    urls = [r["rows"] for r in run.records if r["task"].startswith("urls/")]
     return {
         "partitions": p.num_parts,
         "tasks": len(run.records),
@@ -487,6 +588,9 @@ def summary(run: FilterRun) -> dict:
         "task_memory": p.task_memory,
         "task_cpu_seconds": round(sum(cpu), 3),
         "largest_task_share": round(max(cpu, default=0) / max(sum(cpu), 1e-9), 4),
+        # The largest urls task's rows over all of theirs (1/partitions when even).
+        "largest_urls_rows": max(urls, default=0),
+        "largest_urls_share": round(max(urls, default=0) / max(1, sum(urls)), 4),
         "peak_task_rss_gb": max((r["peak_rss_gb"] for r in run.records), default=0.0),
         "temp_bytes": run.peak_temp_bytes,
         "input_bytes": p.input_bytes,

@@ -79,13 +79,19 @@ def outputs(root) -> tuple[dict[str, bytes], dict]:
     return shards, json.loads((folder / "waterfall.json").read_text())
 
 
-def both(tmp_path, tables, profile, *, memory, per_shard=997, executor=None):
+def both(tmp_path, tables, profile, *, memory, per_shard=997, executor=None, hot_rows=None):
     """(one-node stats, partitioned stats); the two roots' shards and waterfalls are equal."""
     write_metadata(tmp_path / "one", tables)
     write_metadata(tmp_path / "parts", tables)
     one = filter_stage.filter_metadata(tmp_path / "one", SOURCE, profile, per_shard)
     parts = fp.filter_metadata(
-        tmp_path / "parts", SOURCE, profile, per_shard, memory=memory, executor=executor
+        tmp_path / "parts",
+        SOURCE,
+        profile,
+        per_shard,
+        memory=memory,
+        executor=executor,
+        hot_rows=hot_rows,
     )
     shards, wf = outputs(tmp_path / "one")
     their_shards, their_wf = outputs(tmp_path / "parts")
@@ -104,6 +110,59 @@ def test_awkward_rows_filter_as_one_node(tmp_path, profile):
     assert one.dropped["duplicate_url"] > 100 and one.dropped["duplicate_key"] > 5
     assert parts.extra["partitioned"]["partitions"] >= 4
     assert not list((tmp_path / "parts" / SOURCE / "partitions").glob("filter-*"))  # committed
+
+
+def hot_urls(n: int, file: int) -> pa.Table:
+    """n rows of which 30% share hot URL a (some with a key of file 0: they lose by key, the
+    smallest key among them first; some with no key), and in files after the first 10% share
+    hot URL b (no key or a key of file 0: the first keyless row wins) and 5% hot URL c (every
+    row a key of file 0: no row of c is left to keep)."""
+    rng = np.random.default_rng(100 + file)
+    keys = [f"{file}{i:07d}" for i in range(n)]
+    urls = [f"http://h/{file}/{i}.jpg" for i in range(n)]
+    u = rng.random(n)
+    for i in range(n):
+        taken = f"0{rng.integers(0, n) if file else i:07d}"  # a key of file 0
+        if u[i] < 0.30:
+            urls[i] = "http://hot/a.png"
+            keys[i] = [keys[i], taken, None][int(rng.integers(0, 3))] if file else keys[i]
+        elif file and u[i] < 0.40:
+            urls[i], keys[i] = "http://hot/b.png", [taken, None][int(rng.integers(0, 2))]
+        elif file and u[i] < 0.45:
+            urls[i], keys[i] = "http://hot/c.png", taken
+    # File 0 passes whole: a key of it taken later always loses to it.
+    small = [0.1, 0.45, 0.45] if file else [0.0, 0.5, 0.5]
+    columns = {
+        "key": pa.array(keys, pa.string()),
+        "source": pa.array([SOURCE] * n),
+        "url": pa.array(urls),
+        "caption": pa.array([f"a caption {file} {i}" for i in range(n)]),
+        "width": rng.choice([200.0, 800.0, 1024.0], n, p=small),
+        "height": np.full(n, 600.0),
+        **{c: np.full(n, 0.3) for c in ("similarity", "punsafe", "pwatermark")},
+        "aesthetic": np.full(n, 7.0),
+    }
+    return pa.table(columns, schema=SCHEMA)
+
+
+def test_a_hot_url_is_split_across_urls_tasks(tmp_path):
+    """Three URLs on thousands of rows over four files: the output is the one-node filter's,
+    and no urls task holds more than a fraction of the hottest URL's rows."""
+    tables = [hot_urls(1500, file) for file in range(4)]
+    one, parts = both(tmp_path, tables, LOOSE, memory=60_000)
+    hot_a = sum(pc.sum(pc.equal(t["url"], "http://hot/a.png")).as_py() for t in tables)
+    summary = parts.extra["partitioned"]
+    assert summary["partitions"] >= 8 and one.dropped["duplicate_url"] > hot_a // 2
+    assert one.dropped["duplicate_key"] > 100
+    assert summary["largest_urls_rows"] < hot_a / 2  # whole, a task would hold them all
+    assert summary["largest_urls_share"] < 0.3
+
+
+def test_every_url_repeated_in_a_file_judged_in_two_steps(tmp_path):
+    """hot_rows 1: every URL on two rows of one file is spread and judged by `_hot`."""
+    tables = [awkward(1500, seed, file) for file, seed in enumerate((11, 12, 13))]
+    tables.append(hot_urls(500, 3))
+    both(tmp_path, tables, LOOSE, memory=100_000, hot_rows=1)
 
 
 def test_files_with_other_columns_and_more_partitions_than_rows(tmp_path):
@@ -148,7 +207,8 @@ def test_a_killed_task_reruns_alone_reusing_finished_ones(tmp_path, monkeypatch)
     monkeypatch.setattr(fp, "_urls", urls)
     run = fp.run_filter(plan, 500)
     fresh = [r["task"] for r in run.records if not r["reused"]]
-    assert [t for t in fresh if not t.startswith("ranges/")] == [f"urls/{last:05d}"]
+    downstream = ("ranges/", "hot/")  # after every urls task: none had run
+    assert [t for t in fresh if not t.startswith(downstream)] == [f"urls/{last:05d}"]
     assert next(r for r in run.records if r["task"] == f"urls/{last:05d}")["stale_removed"] == 1
     fp.commit(run, tmp_path / SOURCE / "filtered", 500)
     assert run.wf.num_out == expected.num_out and run.wf.dropped == expected.dropped
