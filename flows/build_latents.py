@@ -448,12 +448,14 @@ def _fetch_then_score(run: _Run, units: dict, scorer) -> list[str]:
     return list(units)
 
 
-def select_pixels(root: Path, name: str, profile, identity: dict | None, phash=None):
+def select_pixels(root: Path, name: str, profile, identity: dict | None, phash=None, semantic=None):
     """filter-pixels (scored when the scorer's `identity` is given); semantic dedup computes on
     a device of the node's GPU pool (CPU without GPUs), holding its slot, so it never shares a
-    GPU with score, encode or a training. `phash`: its pHash level's losers
-    (`flows.execution.partitioned.select_pixels`)."""
-    options = dict(scored=identity is not None, scorer_identity=identity, phash=phash)
+    GPU with score, encode or a training. `phash`, `semantic`: its pHash and semantic levels'
+    losers (`flows.execution.partitioned.select_pixels`)."""
+    options = dict(
+        scored=identity is not None, scorer_identity=identity, phash=phash, semantic=semantic
+    )
     if "semantic" not in profile.dedup:
         return filter_pixels.select_pixels(root, name, profile, **options)
     with pools.gpu_device() as device:

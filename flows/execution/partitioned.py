@@ -6,8 +6,8 @@ A task's output is a folder named by its inputs (`partition_files.run_task`), so
 runs each time and a finished one returns its record at once (`reused`): the folders, not
 Prefect's cache, say what is done, and a rerun after a failure or a lost node redoes only the
 partitions without a folder. When the build takes this path: `use_partitioned`. The metadata
-filter runs whole this way (`filter_metadata`); filter-pixels runs its pHash level this way
-(`select_pixels`), the rest of it as its one-node unit does.
+filter runs whole this way (`filter_metadata`); filter-pixels runs its pHash and semantic levels
+this way (`select_pixels`), the rest of it as its one-node unit does.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from flows.execution.names import DISPLAY
 from flows.execution.stages import StageFailed, publish_counts
 from tasks.curation import duck, filter_partitioned, phash_partitioned, selection
 from tasks.curation import filter as flt
+from tasks.curation import semantic_partitioned as semantic_parts
 from tasks.runtime import concurrency
 from tasks.runtime.node import Node
 from tasks.runtime.shards import ShardStats, current_node, journal
@@ -65,13 +66,19 @@ def filter_needs_parts(root: Path, source: str) -> bool:
 
 def pixels_need_parts(root: Path, source: str, profile) -> bool:
     """Whether filter-pixels' pHash level has more rows than one task holds
-    (`SDPIPE_PHASH_TASK_ROWS`): the fetched shards' rows, every status (their footers' counts,
-    a bound read without a scan). False without a pHash level."""
-    if "phash" not in profile.dedup:
+    (`SDPIPE_PHASH_TASK_ROWS`), or its semantic level more than one range of its survivor rule
+    (`semantic_partitioned.ROWS_PER_RANGE`): the fetched shards' rows, every status (their
+    footers' counts, a bound read without a scan). False without either level."""
+    limits = {
+        "phash": phash_partitioned.rows_per_task(),
+        "semantic": semantic_parts.ROWS_PER_RANGE,
+    }
+    levels = [level for level in limits if level in profile.dedup]
+    if not levels:
         return False
     files = sorted((root / source / "shards").glob("[0-9]*.parquet"))
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-    return rows > phash_partitioned.rows_per_task()
+    return any(rows > limits[level] for level in levels)
 
 
 class PartitionTasks:
@@ -176,19 +183,26 @@ def filter_metadata(run, profile, samples_per_shard: int) -> None:
 
 
 def select_pixels(run, identity: dict | None, select) -> None:
-    """filter-pixels with its pHash level as partitioned tasks (`PartitionedLosers` on
-    `PartitionTasks`), the rest in this process as the one-node unit (`select(phash=...)`, the
-    flow's `select_pixels`) runs it; the same selection, record (plus `partitioned`) and counts.
-    The partition files go once the selection is written: a failed run's stay for the rerun."""
+    """filter-pixels with its pHash and semantic levels as partitioned tasks
+    (`PartitionedLosers`, `PartitionedSemantic` on `PartitionTasks`), the rest in this process
+    as the one-node unit (`select(phash=..., semantic=...)`, the flow's `select_pixels`) runs
+    it; the same selection, record (plus `partitioned`, less the semantic level's
+    missed-duplicate estimate) and counts. The partition files go once the selection is
+    written: a failed run's stay for the rerun."""
     if run.failures:
         raise StageFailed(
             f"{DISPLAY['selected']} needs every shard before it: " + run.failed_message()
         )
     if selection.selection_done(run.root, run.name, identity):
         return
+    workdir = run.root / run.name / "partitions"
     losers = phash_partitioned.PartitionedLosers(
-        PartitionTasks(run, DISPLAY["selected"] + "-phash"), run.root / run.name / "partitions"
+        PartitionTasks(run, DISPLAY["selected"] + "-phash"), workdir
     )
-    stats = select(phash=losers)
+    semantic = semantic_parts.PartitionedSemantic(
+        PartitionTasks(run, DISPLAY["selected"] + "-semantic"), workdir
+    )
+    stats = select(phash=losers, semantic=semantic)
     losers.cleanup()
+    semantic.cleanup()
     publish_counts(run.name, DISPLAY["selected"], {flt.ALL: asdict(stats)})

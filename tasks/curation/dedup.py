@@ -54,6 +54,25 @@ class PhashLosers(Protocol):
     def summary(self) -> dict: ...
 
 
+class SemanticLosers(Protocol):
+    """How a semantic level finds its losers in place of `SemanticIndex` (the partitioned
+    tasks, `tasks.curation.semantic_partitioned.PartitionedSemantic`): bool [N] as
+    `SemanticIndex(parts, rank, threshold, max_visits=max_visits).losers(include)` at the same
+    centroids; `summary()`: what its record keeps."""
+
+    def __call__(
+        self,
+        parts: Parts,
+        rank: np.ndarray,
+        threshold: float,
+        max_visits: int,
+        include: np.ndarray | None,
+        device: str | torch.device | None = None,
+    ) -> np.ndarray: ...
+
+    def summary(self) -> dict: ...
+
+
 def phash_losers(hashes: np.ndarray, rank: np.ndarray, max_distance: int) -> np.ndarray:
     """Rows dropped as near copies (within `max_distance` bits) of a surviving better-ranked
     row; bool [N] in input order. `hashes` uint64 [N], `rank` int64 [N] (unique; lower is
@@ -92,6 +111,7 @@ def mark(
     device: str | torch.device | None = None,
     notes: dict | None = None,
     phash: PhashLosers | None = None,
+    semantic: SemanticLosers | None = None,
 ) -> tuple[int, int]:
     """Mark one level's duplicates among the still-kept rows of table `passing` (column `reason`
     NULL = kept); returns (alone: among all of them, removed: among the still-kept ones).
@@ -100,7 +120,9 @@ def mark(
     cluster within reach that they do not visit (only they can miss a duplicate); and from a
     sample of those (`semantic_sampled`), the ones that did (`semantic_missed_sample`) and the
     estimate over all (`semantic_missed_estimate`). `phash`: finds the pHash level's losers
-    (default `NearHashes` in this process); its summary goes to `notes["partitioned"]`."""
+    (default `NearHashes` in this process), `semantic`: the semantic level's (default
+    `SemanticIndex` in this process; no missed-duplicate estimate); their summaries go to
+    `notes["partitioned"]`."""
     reason = f"duplicate_{level}"
     if level in ("key", "url", "sha256"):
         order = "filename, file_row_number" if level == "key" else "key, filename, file_row_number"
@@ -140,10 +162,20 @@ def mark(
             alone = int(phash(hashes, rank, distance, None).sum())
             lost = phash(hashes, rank, distance, kept) if alone else np.zeros(len(ids), bool)
             if notes is not None:
-                notes["partitioned"] = {"phash": phash.summary()}
+                notes.setdefault("partitioned", {})["phash"] = phash.summary()
         elif level == "phash":
             near = NearHashes(np.asarray(rows["value"], np.uint64), profile.phash_distance)
             alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
+        elif len(ids) and semantic is not None:
+            parts, threshold = score_parts(con, scores_dir, len(ids)), profile.semantic_threshold
+            visits = profile.semantic_visits
+            alone = int(semantic(parts, rank, threshold, visits, None, device).sum())
+            lost = np.zeros(len(ids), bool)
+            if alone:  # losers among the kept rows: a run with the others absent
+                lost = semantic(parts, rank, threshold, visits, kept, device)
+            if notes is not None:
+                notes["semantic_visits"] = visits
+                notes.setdefault("partitioned", {})["semantic"] = semantic.summary()
         elif len(ids):
             # The cluster-ordered embeddings go to disk (SEMANTIC_TEMP_ENV), not to memory.
             with semantic_workdir(semantic_temp(scores_dir.parent)) as workdir:

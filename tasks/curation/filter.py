@@ -258,11 +258,12 @@ def judge(
     scores_dir: Path | None = None,
     device: str | None = None,
     phash: dedup.PhashLosers | None = None,
+    semantic: dedup.SemanticLosers | None = None,
 ) -> Waterfall:
     """Judge the relation `rows`: leaves table `passing` (rows passing every rule, with `reason`
     NULL for the kept ones and `duplicate_<level>` for the rest) and returns the waterfall.
     `device`: where semantic dedup computes (a GPU the caller holds a slot of; default CPU);
-    `phash`: how the pHash level finds its losers (`dedup.mark`)."""
+    `phash`, `semantic`: how those levels find their losers (`dedup.mark`)."""
     available = [r[0] for r in con.sql("DESCRIBE rows").fetchall() if r[0] not in POSITION]
     rule_list = rules(profile, stage=stage, available=set(available))
     level_list = levels(profile, stage)
@@ -286,7 +287,14 @@ def judge(
         notes: dict = {}  # what semantic dedup measured besides its counts
         for level in level_list:
             marked = dedup.mark(
-                con, profile, level, scores_dir, device=device, notes=notes, phash=phash
+                con,
+                profile,
+                level,
+                scores_dir,
+                device=device,
+                notes=notes,
+                phash=phash,
+                semantic=semantic,
             )
             counts.append((f"duplicate_{level}", *marked))
         samples = sampling.result()

@@ -11,7 +11,7 @@ import duckdb
 from catalog import FilterProfile
 from sdtrain.atomic import clean_temporaries
 from tasks.curation import duck, selection
-from tasks.curation.dedup import PhashLosers
+from tasks.curation.dedup import PhashLosers, SemanticLosers
 from tasks.curation.duck import connect, to_arrow
 from tasks.curation.filter import (
     ALL,
@@ -83,6 +83,7 @@ def select_pixels(
     device=None,
     scorer_identity: dict | None = None,
     phash: PhashLosers | None = None,
+    semantic: SemanticLosers | None = None,
 ) -> ShardStats:
     """The profile over the fetched pixels (actual sizes; with `scored`, the score stage's
     scores, pHash and embeddings) and dedup across the whole source; semantic dedup runs on
@@ -93,7 +94,8 @@ def select_pixels(
     `scorer_identity` (`score.scorer_identity`): the scorer whose scores are read; a selection
     chosen from another's is made again, and what was built from a shard whose rows changed
     runs again (tasks/curation/selection.py). `phash`: how the pHash level finds its losers
-    (default: in this process; `phash_partitioned.PartitionedLosers`: as partition tasks).
+    (default: in this process; `phash_partitioned.PartitionedLosers`: as partition tasks);
+    `semantic` the same for the semantic level (`semantic_partitioned.PartitionedSemantic`).
     """
     out_dir = root / source / selection.STAGE
 
@@ -109,6 +111,7 @@ def select_pixels(
             scores_dir=root / source / "scores" if scored else None,
             device=device,
             phash=phash,
+            semantic=semantic,
         )
         kept = to_arrow(
             con.sql(

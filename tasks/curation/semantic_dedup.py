@@ -167,6 +167,17 @@ def fit_centroids(
     return Centroids(kmeans(sample - center, k, dtype, generator), center)
 
 
+def fit_seeded(
+    parts: Parts, k: int, dtype: torch.dtype, seed: int = 0, device: torch.device | None = None
+) -> tuple[Centroids, np.random.Generator]:
+    """`fit_centroids` from generators seeded with `seed`, as `SemanticIndex` fits them (the
+    partitioned path fits with it too: the same centroids); and the numpy generator after the
+    fit, which the index goes on to draw its risk sample from."""
+    rng = np.random.default_rng(seed)
+    generator = torch.Generator().manual_seed(seed)
+    return fit_centroids(parts, k, dtype, rng, generator, device), rng
+
+
 def visitor_caps(primaries: np.ndarray, num_rows: int, num_clusters: int) -> np.ndarray:
     """The most visitors each cluster takes (those nearest its border): VISITOR_SHARE x its own
     rows (`primaries`) or the mean cluster's. A centroid in the middle of the cloud is in reach
@@ -308,10 +319,10 @@ class SemanticIndex:
         if k == 1:
             return primary, visits
         gap = np.full((n, self.max_visits), np.inf, np.float32)  # distance to the bisector
-        generator = torch.Generator().manual_seed(seed)
-        rng = np.random.default_rng(seed)
         if given is None:
-            given = fit_centroids(self.parts, k, self.dtype, rng, generator, self.device)
+            given, rng = fit_seeded(self.parts, k, self.dtype, seed, self.device)
+        else:
+            rng = np.random.default_rng(seed)
         centroids, center = given.centroids.to(self.device), given.center.to(self.device)
         self.centroids, self.center = centroids, center
         self.reach = reach = math.sqrt(max(0.0, 2 - 2 * self.threshold))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,11 @@ from tasks.curation.semantic_dedup import (
     ASSIGN_ROWS,
     CPU,
     Centroids,
+    Parts,
     assign,
+    fit_seeded,
     flag_duplicates,
+    num_clusters_for,
     screen,
     unit,
     visitor_caps,
@@ -46,6 +50,8 @@ from tasks.curation.survivors import ABSENT, UNDECIDED, settle
 # Rows of a cluster a scan task holds at once (~6 D bytes each: fp16 as stored, fp32 screened;
 # two blocks for a block pair); a larger cluster is split into blocks of this many.
 SLOTS_PER_TASK = 65536
+# Overrides SLOTS_PER_TASK in a build, and the rows of an input file (a map task's) with it.
+TASK_ROWS_ENV = "SDPIPE_SEMANTIC_TASK_ROWS"
 ROWS_PER_RANGE = 2_000_000  # rows per state slice (1 byte each) of the survivor rule
 META = {"row": np.int64, "rank": np.int64, "visit": np.int8, "gap": np.float32}
 
@@ -67,6 +73,9 @@ class SemanticPlan:
     num_clusters: int
     num_parts: int  # row ranges
     slots_per_task: int
+    # Rows laid out with the others but judged absent (never dropped, never a survivor): the
+    # rows an earlier level dropped, as `SemanticIndex.losers(include)` leaves them out.
+    absent: str | None = None
 
     @property
     def num_ranks(self) -> int:  # the pHash rounds' helpers index states by rank; here by id
@@ -105,9 +114,11 @@ def make_plan(
     max_visits: int = 2,
     rows_per_range: int = ROWS_PER_RANGE,
     slots_per_task: int = SLOTS_PER_TASK,
+    absent: str | Path | None = None,
 ) -> SemanticPlan:
     """The tasks for `inputs` (.npy files of `input_dtype` rows) at these centroids; the root
-    folder is named by the inputs, centroids and settings, and holds the centroids."""
+    folder is named by the inputs, centroids and settings, and holds the centroids. `absent`:
+    a .npy of sorted int64 row ids that are laid out but not judged (see `SemanticPlan`)."""
     dim = centroids.centroids.shape[1]
     for path in inputs:
         array = np.load(path, mmap_mode="r")
@@ -116,6 +127,8 @@ def make_plan(
     arrays = [centroids.centroids.float().numpy(), centroids.center.float().numpy()]
     fingerprint = hashlib.sha256(b"".join(a.tobytes() for a in arrays)).hexdigest()[:16]
     settings = [num_ids, threshold, max_visits, rows_per_range, slots_per_task, fingerprint]
+    if absent is not None:
+        settings.append(file_identity(absent))
     root = Path(workdir) / f"semantic-{digest([file_identity(p) for p in inputs], settings)}"
     root.mkdir(parents=True, exist_ok=True)
     for name, array in zip(("centroids", "center"), arrays, strict=True):
@@ -133,6 +146,7 @@ def make_plan(
         num_clusters=k,
         num_parts=max(1, math.ceil(num_ids / rows_per_range)),
         slots_per_task=slots_per_task,
+        absent=None if absent is None else str(absent),
     )
 
 
@@ -284,8 +298,12 @@ def _init(tmp: Path, p: SemanticPlan, q: int) -> dict:
         raise ValueError(f"rows {lo}..{hi - 1}: a row id given twice")
     state = np.full(hi - lo, ABSENT, np.uint8)  # a row with no embedding is never dropped
     state[given - lo] = UNDECIDED
+    if p.absent is not None:
+        absent = np.load(p.absent, mmap_mode="r")
+        mine = np.asarray(absent[np.searchsorted(absent, lo) : np.searchsorted(absent, hi)])
+        state[mine - lo] = ABSENT
     np.save(tmp / "state.npy", state)
-    return {"rows": len(given), "undecided": len(given)}
+    return {"rows": len(given), "undecided": int((state == UNDECIDED).sum())}
 
 
 def _settle(tmp: Path, p: SemanticPlan, r: int, q: int, sources, scanned) -> dict:
@@ -387,3 +405,138 @@ def write_inputs(folder: Path, x: np.ndarray, rank: np.ndarray, rows_per_file: i
         (folder / f"{i:05d}.tmp.npy").rename(folder / f"{i:05d}.npy")
         paths.append(folder / f"{i:05d}.npy")
     return paths
+
+
+def task_rows() -> int:
+    """Rows (slots) a task holds at once: `SDPIPE_SEMANTIC_TASK_ROWS`, else SLOTS_PER_TASK."""
+    return int(os.environ.get(TASK_ROWS_ENV) or SLOTS_PER_TASK)
+
+
+class PartitionedSemantic:
+    """`dedup.SemanticLosers` as `run_semantic` on `executor`, deciding as `SemanticIndex` does:
+    the centroids are fitted as it fits them (`fit_seeded`: the same sample, seed and k-means,
+    on `device`; none below SMALL rows), the rows are the parts' rows (id = row, rank as given)
+    and a call over a subset lays out every row, the others absent, as `losers(include)` does.
+    Inputs go under `workdir` in a folder named by their content, so a rerun after a failure
+    finds the same plan and its finished tasks. Not computed here: the one-node path's missed-
+    duplicate estimate (`SemanticIndex.estimate_missed`), which needs every row's reach."""
+
+    def __init__(self, executor, workdir: Path, rows: int | None = None):
+        self.executor, self.workdir = executor, Path(workdir)
+        self.rows = rows or task_rows()
+        self.runs: list[PhashRun] = []
+        self.folders: list[Path] = []
+        self._prepared: tuple | None = None  # (parts, inputs, centroids) of the last call
+
+    def __call__(
+        self,
+        parts: Parts,
+        rank: np.ndarray,
+        threshold: float,
+        max_visits: int,
+        include: np.ndarray | None,
+        device: str | torch.device | None = None,
+    ) -> np.ndarray:
+        if not parts.num_rows:
+            return np.zeros(0, bool)
+        inputs, centroids = self._prepare(parts, np.asarray(rank, np.int64), device)
+        absent = None if include is None else self._absent(~np.asarray(include, bool))
+        p = make_plan(
+            inputs,
+            parts.num_rows,
+            threshold,
+            centroids,
+            self.workdir,
+            max_visits=max_visits,
+            rows_per_range=ROWS_PER_RANGE,
+            slots_per_task=self.rows,
+            absent=absent,
+        )
+        self.folders.append(p.root)
+        run = run_semantic(p, self.executor)
+        self.runs.append(run)
+        return run.dropped()
+
+    def _prepare(self, parts: Parts, rank: np.ndarray, device) -> tuple[list[Path], Centroids]:
+        if self._prepared is not None and self._prepared[0] is parts:
+            return self._prepared[1:]
+        n = parts.num_rows
+        k = min(n, num_clusters_for(n)) or 1  # as `SemanticIndex`
+        if k == 1:  # one cluster: the one-node path fits none, and reads no centroid
+            zeros = torch.zeros(1, parts.dim)
+            centroids = Centroids(zeros, zeros[0])
+        else:
+            on = torch.device(device or "cpu")
+            fitted, _ = fit_seeded(parts, k, screen(on)[0], device=on)
+            centroids = Centroids(fitted.centroids.cpu(), fitted.center.cpu())
+        inputs = self._inputs(parts, rank)
+        self._prepared = (parts, inputs, centroids)
+        return inputs, centroids
+
+    def _inputs(self, parts: Parts, rank: np.ndarray) -> list[Path]:
+        """The parts' rows as `input_dtype` files of `self.rows` rows, in a folder named by
+        their content (written whole under a temporary name: present is complete)."""
+        tmp = self.workdir / f"semantic-inputs.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        name, held, count = hashlib.sha256(), [], 0
+        dtype = input_dtype(parts.dim)
+
+        def flush() -> None:
+            rows = np.concatenate(held) if held else np.zeros(0, dtype)
+            np.save(tmp / f"{len(list(tmp.iterdir())):05d}.npy", rows)
+            held.clear()
+
+        for read in parts.readers:
+            ids, emb = read()
+            rows = np.empty(len(ids), dtype)
+            rows["row"], rows["rank"], rows["emb"] = ids, rank[ids], emb
+            name.update(rows.tobytes())
+            held.append(rows)
+            count += len(rows)
+            if count >= self.rows:
+                flush()
+                count = 0
+        if held:
+            flush()
+        folder = self.workdir / f"semantic-inputs-{name.hexdigest()[:16]}-{self.rows}"
+        self.folders.append(folder)
+        if folder.is_dir():
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(folder)
+        return sorted(folder.glob("[0-9]*.npy"))
+
+    def _absent(self, excluded: np.ndarray) -> Path:
+        """The excluded rows' ids as a file named by its content (`make_plan`'s `absent`)."""
+        ids = np.flatnonzero(excluded).astype(np.int64)
+        name = hashlib.sha256(ids.tobytes()).hexdigest()[:16]
+        path = self.workdir / f"semantic-absent-{name}.npy"
+        self.folders.append(path)
+        if not path.exists():
+            tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
+            np.save(tmp, ids)
+            tmp.rename(path)
+        return path
+
+    def summary(self) -> dict:
+        """What the stage's record keeps of its runs (one over every row, one over the kept)."""
+        records = [r for run in self.runs for r in run.records]
+        return {
+            "runs": len(self.runs),
+            "clusters": [run.plan.num_clusters for run in self.runs],
+            "partitions": [run.plan.num_parts for run in self.runs],
+            "rounds": [run.rounds for run in self.runs],
+            "tasks": len(records),
+            "reused": sum(bool(r.get("reused")) for r in records),
+            "nodes": sorted({str(r.get("node") or r["host"]) for r in records}),
+            "temp_bytes": max((run.peak_temp_bytes for run in self.runs), default=0),
+        }
+
+    def cleanup(self) -> None:
+        """Removes the partition files, inputs and absent lists (once their stage is done)."""
+        for path in self.folders:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

@@ -1,9 +1,9 @@
 """build-latents with the partitioned global stages (flows/execution/partitioned.py) on the demo
-source, its profile given a pHash level: the metadata filter and filter-pixels' pHash dedup as
-partition tasks (SDPIPE_PARTITIONED=always) write the same filtered shards, selection and counts
-as the one-node stages (never). A partition task that fails fails the flow naming it, and the
-rerun runs only that partition and those after it (the finished ones are reused from their
-folders).
+source, its profile given a pHash and a semantic level: the metadata filter and filter-pixels'
+pHash and semantic dedup as partition tasks (SDPIPE_PARTITIONED=always) write the same filtered
+shards, selection and counts as the one-node stages (never). A partition task that fails fails
+the flow naming it, and the rerun runs only that partition and those after it (the finished ones
+are reused from their folders).
 
 One pair of builds serves every test (module fixture): the one-node build, and the partitioned
 build, which fails in the filter, then in filter-pixels' pHash, then completes.
@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from catalog.copies import edit_entries
-from tasks.curation import filter_partitioned, phash_partitioned
+from tasks.curation import filter_partitioned, phash_partitioned, semantic_partitioned
 from tasks.runtime.shards import read_stats
 from tests.conftest import write_small_catalog
 
@@ -28,6 +28,9 @@ pytestmark = pytest.mark.slow
 FAILING_KEYS = 1  # the filter's keys partition that fails on its first attempt
 FAILING_NODES = 1  # the pHash nodes partition (of the run over every row) that fails once
 PHASH_DISTANCE = 12  # wide enough on the demo's images for chains and drops among the kept
+# The tiny scorer's random embeddings of the demo's images are all within ~0.99 of each other:
+# at this threshold ~1 row in 6 has a better duplicate.
+SEMANTIC_THRESHOLD = 0.9995
 
 
 def _build(root: Path):
@@ -65,8 +68,9 @@ def builds(prefect_stack, tmp_path_factory) -> Builds:
     base = tmp_path_factory.mktemp("partitioned-build")
     catalog = write_small_catalog(base / "catalog")
     with edit_entries(catalog / "profiles.yaml") as profiles:
-        profiles["demo"]["dedup"] = ["url", "sha256", "phash"]
+        profiles["demo"]["dedup"] = ["url", "sha256", "phash", "semantic"]
         profiles["demo"]["phash_distance"] = PHASH_DISTANCE
+        profiles["demo"]["semantic_threshold"] = SEMANTIC_THRESHOLD
     out = Builds(one_node=base / "one-node", parted=base / "partitioned")
     keys_work, nodes_work = filter_partitioned._keys, phash_partitioned._nodes
     keys_seen, nodes_seen, failed = [], [], set()
@@ -95,6 +99,8 @@ def builds(prefect_stack, tmp_path_factory) -> Builds:
         # Several partitions on the demo's few rows: each stage's tasks see awkward splits.
         mp.setenv(filter_partitioned.TASK_MEMORY_ENV, "4000")
         mp.setenv(phash_partitioned.ROWS_PER_TASK_ENV, "16")
+        mp.setenv(semantic_partitioned.TASK_ROWS_ENV, "16")  # input files, block pairs
+        mp.setattr(semantic_partitioned, "ROWS_PER_RANGE", 20)  # the survivor rule's ranges
         mp.setattr(filter_partitioned, "_keys", keys_failing_once)
         mp.setattr(phash_partitioned, "_nodes", nodes_failing_once)
         state = _build(out.parted)
@@ -129,13 +135,21 @@ def test_partitioned_filter_and_filter_pixels_equal_one_node(builds):
         assert _counts(builds.parted, stage) == _counts(builds.one_node, stage), stage
     (selected,) = read_stats(builds.parted, "demo", "selected")
     assert selected.dropped.get("duplicate_phash", 0) > 0  # the pHash level decided something
+    assert selected.dropped.get("duplicate_semantic", 0) > 0  # and the semantic level
     phash = selected.extra["partitioned"]["phash"]
     assert phash["runs"] == 2 and phash["partitions"][0] > 2  # every row, then the kept ones
     assert phash["nodes"]  # each task's record says where it ran
+    semantic = selected.extra["partitioned"]["semantic"]
+    assert semantic["runs"] == 2 and semantic["partitions"][0] > 2 and semantic["nodes"]
+    assert max(semantic["rounds"]) >= 2
     (one_node,) = read_stats(builds.one_node, "demo", "selected")
     assert "partitioned" not in one_node.extra
+    # The one-node record alone has the missed-duplicate estimate (docs/scale-out.md).
+    assert "semantic_missed_estimate" in one_node.extra
+    assert "semantic_missed_estimate" not in selected.extra
     # Once the selection is written its partition files go (a failed run's stayed).
     assert not list((builds.parted / "demo" / "partitions").glob("phash-*"))
+    assert not list((builds.parted / "demo" / "partitions").glob("semantic-*"))
 
 
 def test_a_failed_partition_fails_the_build_naming_it_and_the_rerun_runs_it_alone(builds):

@@ -1,15 +1,22 @@
 """Partitioned semantic dedup decides exactly as the one-node path (`SemanticIndex`) at the same
 centroids on awkward inputs: clusters split into blocks, ties in rank, rows with no embedding,
 an empty cluster and an empty file, rows over several ranges and worker processes; and a task
-killed mid-round is rerun alone, its half-written folder removed, the rest reused."""
+killed mid-round is rerun alone, its half-written folder removed, the rest reused. As
+filter-pixels' hook (`PartitionedSemantic`), it marks what the one-node level marks."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import duckdb
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tasks.curation import semantic_dedup
+from catalog.schema import FilterProfile
+from tasks.curation import dedup, semantic_dedup
 from tasks.curation import semantic_partitioned as sp
 from tasks.curation.partition_files import LocalProcesses, peak_rss_gb
 from tasks.curation.semantic_dedup import Centroids, Parts, SemanticIndex
@@ -176,3 +183,63 @@ def test_a_workers_peak_memory_is_its_own_not_its_parents():
     with LocalProcesses(1) as workers:
         (worker,) = workers.map(_peak, [(0,)])
     assert held.sum() and worker < peak_rss_gb() - 0.8  # it imports what this test module does
+
+
+MARK_ROWS = 5000  # past semantic_dedup.SMALL: k-means clusters, fitted on a sample
+SHARD_ROWS = 1700
+
+
+def score_shards(folder: Path, x: np.ndarray) -> np.ndarray:
+    """`x` as the score stage's shards (key, embedding) of SHARD_ROWS rows; the keys."""
+    folder.mkdir()
+    keys = np.array([f"k{i:05d}" for i in range(len(x))])
+    for f, start in enumerate(range(0, len(x), SHARD_ROWS)):
+        part = x[start : start + SHARD_ROWS]
+        emb = pa.FixedSizeListArray.from_arrays(pa.array(part.reshape(-1)), x.shape[1])
+        table = pa.table({"key": keys[start : start + SHARD_ROWS], "embedding": emb})
+        pq.write_table(table, folder / f"{f:05d}.parquet")
+    return keys
+
+
+def marked(scores: Path, keys, aesthetic, earlier, semantic=None) -> tuple:
+    """((alone, removed), the keys marked, notes) of `dedup.mark`'s semantic level over rows
+    that an earlier level partly dropped (`earlier`)."""
+    con = duckdb.connect()
+    reason = pa.array(np.where(earlier, "duplicate_phash", None).tolist(), pa.string())
+    con.register("k", pa.table({"key": keys, "aesthetic": aesthetic, "reason": reason}))
+    con.sql("CREATE TABLE passing AS SELECT * FROM k")
+    profile = FilterProfile(name="p", dedup=("semantic",), semantic_threshold=THRESHOLD)
+    notes: dict = {}
+    counts = dedup.mark(con, profile, "semantic", scores, notes=notes, semantic=semantic)
+    lost = con.sql("SELECT key FROM passing WHERE reason = 'duplicate_semantic'").fetchall()
+    return counts, sorted(k for (k,) in lost), notes
+
+
+def test_the_hook_marks_as_the_one_node_level_over_all_rows_and_the_kept(tmp_path, monkeypatch):
+    """filter-pixels' semantic level through `dedup.mark(semantic=PartitionedSemantic)`: the
+    same alone and removed counts and the same rows marked as the one-node `SemanticIndex` (its
+    centroids fitted from the score shards the same way; the kept rows' run lays out every
+    row, the others absent); a second hook over the same rows reuses every task."""
+    monkeypatch.setattr(sp, "ROWS_PER_RANGE", 1500)
+    rng = np.random.default_rng(14)
+    x = planted(MARK_ROWS, seed=14)
+    keys = score_shards(tmp_path / "scores", x)
+    aesthetic, earlier = rng.random(MARK_ROWS), rng.random(MARK_ROWS) < 0.3
+    expected = marked(tmp_path / "scores", keys, aesthetic, earlier)
+    hook = sp.PartitionedSemantic(LocalProcesses(0), tmp_path / "work", rows=700)
+    got = marked(tmp_path / "scores", keys, aesthetic, earlier, semantic=hook)
+    assert got[:2] == expected[:2]
+    (alone, removed), lost = expected[:2]
+    assert alone > removed > 100 and len(lost) == removed
+    summary = got[2]["partitioned"]["semantic"]
+    k = semantic_dedup.num_clusters_for(MARK_ROWS)
+    assert summary["runs"] == 2 and summary["clusters"] == [k, k]
+    assert summary["partitions"] == [4, 4] and min(summary["rounds"]) >= 2
+    assert got[2]["semantic_visits"] == expected[2]["semantic_visits"]
+    assert "semantic_missed_estimate" not in got[2]  # the one-node path's alone
+
+    again = sp.PartitionedSemantic(LocalProcesses(0), tmp_path / "work", rows=700)
+    assert marked(tmp_path / "scores", keys, aesthetic, earlier, semantic=again)[:2] == got[:2]
+    assert again.summary()["reused"] == again.summary()["tasks"]
+    hook.cleanup()
+    assert not list((tmp_path / "work").iterdir())  # partition files, inputs and absent lists
