@@ -157,3 +157,18 @@ class LocalProcesses:
 def folder_bytes(root: Path) -> int:
     """Bytes of every file under `root` (the stage's temporary disk at this moment)."""
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def runs_summary(runs: Sequence) -> dict:
+    """What a stage's record keeps of its partitioned runs (each with `plan.num_parts`,
+    `rounds`, `records` and `peak_temp_bytes`): tasks, reuse, nodes, temporary disk."""
+    records = [r for run in runs for r in run.records]
+    return {
+        "runs": len(runs),
+        "partitions": [run.plan.num_parts for run in runs],
+        "rounds": [run.rounds for run in runs],
+        "tasks": len(records),
+        "reused": sum(bool(r.get("reused")) for r in records),
+        "nodes": sorted({str(r.get("node") or r["host"]) for r in records}),
+        "temp_bytes": max((run.peak_temp_bytes for run in runs), default=0),
+    }

@@ -33,6 +33,7 @@ from tasks.curation.partition_files import (
     folder_bytes,
     gather,
     run_task,
+    runs_summary,
     save_partitioned,
 )
 from tasks.curation.phash_dedup import first_table, plan, table_key, table_pairs
@@ -443,16 +444,7 @@ class PartitionedLosers:
 
     def summary(self) -> dict:
         """What the stage's record keeps of its runs (one over every row, one over the kept)."""
-        records = [r for run in self.runs for r in run.records]
-        return {
-            "runs": len(self.runs),
-            "partitions": [run.plan.num_parts for run in self.runs],
-            "rounds": [run.rounds for run in self.runs],
-            "tasks": len(records),
-            "reused": sum(bool(r.get("reused")) for r in records),
-            "nodes": sorted({str(r.get("node") or r["host"]) for r in records}),
-            "temp_bytes": max((run.peak_temp_bytes for run in self.runs), default=0),
-        }
+        return runs_summary(self.runs)
 
     def cleanup(self) -> None:
         """Removes the partition files and inputs (once the stage that used them is done)."""

@@ -29,6 +29,7 @@ from tasks.curation.partition_files import (
     gather,
     read_part,
     run_task,
+    runs_summary,
     save_partitioned,
 )
 from tasks.curation.phash_partitioned import PhashRun, _save_progress, _states
@@ -521,17 +522,8 @@ class PartitionedSemantic:
 
     def summary(self) -> dict:
         """What the stage's record keeps of its runs (one over every row, one over the kept)."""
-        records = [r for run in self.runs for r in run.records]
-        return {
-            "runs": len(self.runs),
-            "clusters": [run.plan.num_clusters for run in self.runs],
-            "partitions": [run.plan.num_parts for run in self.runs],
-            "rounds": [run.rounds for run in self.runs],
-            "tasks": len(records),
-            "reused": sum(bool(r.get("reused")) for r in records),
-            "nodes": sorted({str(r.get("node") or r["host"]) for r in records}),
-            "temp_bytes": max((run.peak_temp_bytes for run in self.runs), default=0),
-        }
+        clusters = [run.plan.num_clusters for run in self.runs]
+        return {"clusters": clusters} | runs_summary(self.runs)
 
     def cleanup(self) -> None:
         """Removes the partition files, inputs and absent lists (once their stage is done)."""
