@@ -113,3 +113,19 @@ def test_duplicates_found_on_published_embeddings_are_never_fetched(
     again = build()
     assert record.stat().st_mtime_ns == mtime and again.dropped == first.dropped
     assert not requested  # nothing fetched again
+
+    # A takedown after the build reaches what the prefetch step wrote (issue 36): a kept row's
+    # joined embedding and a dropped row's entry in the dropped list are gone with the rest.
+    from catalog import load_catalog
+    from tasks.removal import apply, lists
+
+    kept_key = embedded["key"].to_pylist()[0]
+    dropped_key = dropped["key"].to_pylist()[0]
+    takedown = tmp_path / "takedown.txt"
+    takedown.write_text(f"{by_key[kept_key]}\n{by_key[dropped_key]}\n")
+    profile = load_catalog().profile("demo")
+    apply.remove(root, "demo", lists.read_list(takedown), profile, scored=True)
+    prefetch = root / "demo" / "prefetch"
+    for folder in ("embeddings", "dropped"):
+        left = pq.read_table(sorted((prefetch / folder).glob("*.parquet")))["key"].to_pylist()
+        assert kept_key not in left and dropped_key not in left, folder
