@@ -73,11 +73,8 @@ def source_summary(root: Path, source: str) -> dict[str, dict]:
     The score and (metadata) filter stages are listed only for sources that have them.
     """
     records = {stage: read_stats(root, source, stage) for stage in STAGES}
-    optional = (
-        score.STAGE,
-        "filtered",
-        prefetch.STAGE,
-    )  # unscored sources; archive sources filter on pixels
+    # Unscored sources; archive sources filter on pixels; prefetch only where a profile asks.
+    optional = (score.STAGE, "filtered", prefetch.STAGE)
     return {
         stage: summarize(stats)
         for stage, stats in records.items()
@@ -178,6 +175,7 @@ class _Run:
         # Each node's limits (on a cluster summed: every node at its one-node pace).
         archive = src.kind in ("archive", "folder")
         self.limits = nodes.limits(functools.partial(node_limits, archive=archive))
+        self.on_cluster = not isinstance(nodes, LocalExecutor)  # partitioned stages' `auto`
         self.stages = StageRun(root, src.name)
         self.failures: list[str] = []
         self.permanent: list[str] = []  # what a retry cannot fix, in the unit's own words
@@ -277,8 +275,8 @@ def run_source(
     identity = run.scorer_identity
     chosen_by = f"-{score.identity_digest(identity)}" if identity else ""
     select = functools.partial(select_pixels, root, name, profile, identity)
-    on_cluster = not isinstance(nodes, LocalExecutor)
-    if partitioned.use_partitioned(on_cluster, partitioned.pixels_need_parts(root, name, profile)):
+    needs_parts = partitioned.pixels_need_parts(root, name, profile)
+    if partitioned.use_partitioned(run.on_cluster, needs_parts):
         partitioned.select_pixels(run, identity, select)
     else:
         run.run(
@@ -479,8 +477,7 @@ def url_stages(run: _Run, src: Source, profile, scorer) -> list[str]:
         },
         limit=run.limits["metadata"],
     )
-    on_cluster = not isinstance(run.nodes, LocalExecutor)
-    if partitioned.use_partitioned(on_cluster, partitioned.filter_needs_parts(root, name)):
+    if partitioned.use_partitioned(run.on_cluster, partitioned.filter_needs_parts(root, name)):
         partitioned.filter_metadata(run, profile, src.samples_per_shard)
     else:
         run.run(

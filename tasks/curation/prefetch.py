@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from catalog import CatalogError, FilterProfile, Source
@@ -122,9 +121,11 @@ def _write_embeddings(
     if table is not None and table.num_rows:
         table = table.sort_by([("part", "ascending"), ("row", "ascending")])
         part, row = table["part"].to_numpy(), table["row"].to_numpy()
-        for p in np.unique(part):
+        # Sorted by part then row: each part's rows are one run, in order (one pass over them).
+        used, starts = np.unique(part, return_index=True)
+        for p, lo, hi in zip(used, starts, [*starts[1:], len(part)], strict=True):
             emb = np.load(parts[p][1], mmap_mode="r")
-            blocks.append(np.asarray(emb[np.sort(row[part == p])], np.float16))
+            blocks.append(np.asarray(emb[row[lo:hi]], np.float16))
         keys = table["key"].to_pylist()
     dim = blocks[0].shape[1] if blocks else np.load(parts[0][1], mmap_mode="r").shape[1]
     flat = np.concatenate(blocks).reshape(-1) if blocks else np.zeros(0, np.float16)
@@ -190,13 +191,23 @@ def prefetch_dedup(root: Path, src: Source, profile: FilterProfile) -> ShardStat
             "UPDATE passing SET reason = NULL WHERE reason IS NOT NULL "
             "AND filename IN (SELECT filename FROM fetched)"
         ).fetchall()[0][0]
+        # Ordered by file then key: each file's losers are one run of the table (one pass).
         lost = duck.to_arrow(
-            con.sql("SELECT key, filename FROM passing WHERE reason IS NOT NULL ORDER BY key")
+            con.sql(
+                "SELECT key, filename FROM passing WHERE reason IS NOT NULL ORDER BY filename, key"
+            )
         )
-        for f in files:  # every shard gets its list, empty or not: fetch reads what is there
-            keys = lost.filter(pc.equal(lost["filename"], f)).select(["key"])
+        per_file = dict(
+            con.sql(
+                "SELECT filename, count(*) FROM passing WHERE reason IS NOT NULL GROUP BY filename"
+            ).fetchall()
+        )
+        offset = 0
+        for f in sorted(files):  # every shard gets its list, empty or not: fetch reads it
+            n = per_file.get(f, 0)
             with atomic_path(dropped_path(root, source, Path(f).stem)) as tmp:
-                pq.write_table(keys, tmp)
+                pq.write_table(lost.slice(offset, n).select(["key"]), tmp)
+            offset += n
         samples = duck.to_arrow(
             con.sql(
                 f"SELECT r.key, r.caption, r.url FROM rows r JOIN passing p USING (key) "

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sdtrain.atomic import atomic_path
 from tasks.curation.partition_files import (
     LocalProcesses,
     digest,
@@ -480,12 +481,14 @@ class PartitionedSemantic:
         tmp = self.workdir / f"semantic-inputs.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        name, held, count = hashlib.sha256(), [], 0
+        name, held, count, written = hashlib.sha256(), [], 0, 0
         dtype = input_dtype(parts.dim)
 
         def flush() -> None:
+            nonlocal written
             rows = np.concatenate(held) if held else np.zeros(0, dtype)
-            np.save(tmp / f"{len(list(tmp.iterdir())):05d}.npy", rows)
+            np.save(tmp / f"{written:05d}.npy", rows)
+            written += 1
             held.clear()
 
         for read in parts.readers:
@@ -515,9 +518,8 @@ class PartitionedSemantic:
         path = self.workdir / f"semantic-absent-{name}.npy"
         self.folders.append(path)
         if not path.exists():
-            tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
-            np.save(tmp, ids)
-            tmp.rename(path)
+            with atomic_path(path) as tmp, open(tmp, "wb") as f:
+                np.save(f, ids)
         return path
 
     def summary(self) -> dict:

@@ -120,7 +120,7 @@ def plan(
     order = {"parquet": 0, "tar": 1, "keys": 2, "waterfall": 3}
     steps += sorted(keyed, key=lambda s: (order[s["kind"]], s["file"]))
     # Eval reports whose nearest-training-image pairs show a removed row (under <root>/runs/).
-    steps += [{"kind": "eval", "report": r} for r in reports.showing(root, source, gone)]
+    steps += [{"kind": "eval", "report": r} for r in reports.showing(root, source, keys)]
     if (d / "hf").is_dir() and len(keys):
         steps.append({"kind": "hf"})
     kept_aside = [f for s in steps if ("spec-" in (f := s.get("file", "")) or "/kept" in f)]
@@ -178,7 +178,6 @@ def apply(
         write_json_atomic(path, record)
     found = pq.read_table(d / FOLDER / f"{stem}.rows.parquet")  # the plan's rows
     keys = found["key"].combine_chunks()
-    gone = set(keys.to_pylist())
     positions = _positions(d, stem)
     rewritten: dict[str, int] = {}
     step = 0
@@ -206,7 +205,7 @@ def apply(
         elif kind == "waterfall":
             done(file, _waterfall(p, keys, record["counts"]))
         elif kind == "eval":
-            done(s["report"], reports.rewrite_summary(root / s["report"], source, gone))
+            done(s["report"], reports.rewrite_summary(root / s["report"], source, keys))
         elif kind == "hf" and export_hf is not None:
             export_hf()
             done("hf", 1)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from sdtrain.atomic import write_json_atomic
 from tasks.evaluation.evaluate import SUMMARY
 
@@ -18,12 +21,16 @@ def _summaries(root: Path):
         yield from sorted(eval_folder.rglob(SUMMARY))
 
 
-def _shown(summary: dict, source: str, gone: set[str]) -> list[dict]:
-    worst = summary.get("memorisation", {}).get("worst", [])
-    return [w for w in worst if w.get("source") == source and w.get("key") in gone]
+def _shown(summary: dict, source: str, gone: pa.Array) -> list[dict]:
+    """The summary's pairs (a few) whose training image is one of the removed keys `gone`."""
+    worst = [
+        w for w in summary.get("memorisation", {}).get("worst", []) if w.get("source") == source
+    ]
+    hit = pc.is_in(pa.array([w.get("key") for w in worst], pa.string()), value_set=gone)
+    return [w for w, h in zip(worst, pc.fill_null(hit, False).to_pylist(), strict=True) if h]
 
 
-def showing(root: Path, source: str, gone: set[str]) -> list[str]:
+def showing(root: Path, source: str, gone: pa.Array) -> list[str]:
     """The eval summaries (relative to the root) whose nearest-image pairs show a removed row."""
     return [
         str(p.relative_to(root))
@@ -32,7 +39,7 @@ def showing(root: Path, source: str, gone: set[str]) -> list[str]:
     ]
 
 
-def rewrite_summary(path: Path, source: str, gone: set[str]) -> int:
+def rewrite_summary(path: Path, source: str, gone: pa.Array) -> int:
     """The summary without the pairs that show a removed row; how many left (0 the second time)."""
     summary = json.loads(path.read_text())
     shown = _shown(summary, source, gone)
