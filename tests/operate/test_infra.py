@@ -116,6 +116,36 @@ def test_ray_recipe_has_a_gpu_worker_group():
     assert int(resources["limits"]["nvidia.com/gpu"]) >= 1
 
 
+def _reads_the_ray_token_from_a_secret_file(pod: dict, container: dict) -> str:
+    """The Secret whose file the container's RAY_AUTH_TOKEN_PATH names (token mode on), never a
+    token in the environment."""
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert env["RAY_AUTH_MODE"]["value"] == "token", container["name"]
+    assert "RAY_AUTH_TOKEN" not in env, container["name"]
+    path = env["RAY_AUTH_TOKEN_PATH"]["value"]
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert path == f"{mount['mountPath']}/auth_token", path
+    return volume["secret"]["secretName"]
+
+
+def test_the_ray_cluster_and_the_flow_runs_use_one_token_file():
+    """docs/scale-out.md: token authentication on every Ray node and in the flow runs that
+    connect, the token read from one Secret mounted as a file."""
+    cluster = yaml.safe_load((INFRA / "ray" / "raycluster.yaml").read_text())
+    pods = [cluster["spec"]["headGroupSpec"]["template"]["spec"]]
+    pods += [g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]]
+    template = json.loads((INFRA / "k8s" / "base-job-template.json").read_text())
+    pods.append(template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"])
+    secrets = {
+        _reads_the_ray_token_from_a_secret_file(pod, c) for pod in pods for c in pod["containers"]
+    }
+    assert secrets == {"sdpipe-ray-auth"}
+    assert (
+        "sdpipe-ray-auth" in (INFRA / "ray" / "raycluster.yaml").read_text().split("apiVersion")[0]
+    )
+
+
 def test_dockerfile_copies_what_exists():
     dockerfile = (INFRA / "Dockerfile.worker").read_text()
     for src in re.findall(r"^COPY (.+) \S+$", dockerfile, flags=re.M):
