@@ -24,7 +24,8 @@ autoscaler.
 A dead agent is not a lost node: Ray is asked whether the node is alive. A lost node costs only
 its shards (their task runs hand them to other nodes; the node is left out). On a live node a
 fresh agent, after killing what the dead one left, runs each shard that was in flight alone;
-a shard that kills `POISON_DEATHS` agents running it alone fails naming how they died, and the
+a shard that kills `POISON_DEATHS` agents running it alone fails naming how they died (their
+nodes' death notes: a fatal signal and where, or OOM kills; death_notes.py), and the
 other shards go on. Outputs are written under temporary names and renamed into place, so a
 shard a dead agent was writing leaves nothing a rerun trusts.
 
@@ -49,6 +50,7 @@ from flows.execution.cluster_agents import (
     CLEAR_S,
     CPU,
     POLL_S,
+    RAY_OOM,
     ClusterError,
     Node,
     NodeAgent,
@@ -58,6 +60,7 @@ from flows.execution.cluster_agents import (
     clear_task,
     how_it_died,
     names,
+    note_task,
     tell,
     usable,
     wait_ready,
@@ -73,6 +76,7 @@ log = logging.getLogger(__name__)
 # lane): no timeout here; a lost node ends the call with RayActorError.
 AGENT_CONCURRENCY = 1024
 NODES_EVERY_S = 2.0  # how often a shard's pick reads Ray's node list for nodes that joined
+NOTE_S = 30.0  # the longest wait for a node to tell how its agent died
 POISON_DEATHS = 2  # a shard fails once it killed this many agents that ran it alone
 
 __all__ = ["Cluster", "ClusterError", "ShardKilledAgent", "cluster_address", "train_on_nodes"]
@@ -270,7 +274,7 @@ class Cluster:
                 if seat.agent is not None:
                     with contextlib.suppress(Exception):
                         ray.kill(seat.agent, no_restart=True)
-        clears = [self._clear(n) for n in self.nodes if n.dead and n.lost is None]
+        clears = [self._clear(n, self.run_id) for n in self.nodes if n.lost is None]
         if clears:
             ray.wait(clears, num_returns=len(clears), timeout=CLEAR_S)
         if self.demand:
@@ -281,16 +285,33 @@ class Cluster:
         if self.connected:
             disconnect()
 
-    def _clear(self, node: Node):
+    def _clear(self, node: Node, run: str):
+        return self._on(node, clear_task).remote(node.dead, run)
+
+    def _on(self, node: Node, fn: Callable):
+        """`fn` as a Ray task on `node`, asking for no CPU (it waits for nothing)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        task = ray.remote(clear_task).options(
+        return ray.remote(fn).options(
             num_cpus=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
             runtime_env={"env_vars": node.env},
         )
-        return task.remote(node.dead)
+
+    def _death_note(self, node: Node, mark: str, how: str) -> str:
+        """How the agent `mark` died: what its node tells (a fatal signal's report, OOM kills
+        of its cgroup; death_notes), else Ray's words `how`."""
+        import ray
+
+        try:
+            note = ray.get(self._on(node, note_task).remote(mark), timeout=NOTE_S)
+        except Exception as e:  # the node cannot tell: Ray's words alone
+            log.info("node %s: no death note of agent %s: %s", node.name, mark, e)
+            return how
+        if note is None and how != RAY_OOM:  # Ray's memory monitor kills by SIGKILL
+            return f"{how}; no fatal signal reported, no OOM kill counted: a SIGKILL, or an exit"
+        return note or how
 
     def describe(self) -> str:
         return f"the Ray cluster at {self.address}: " + ", ".join(
@@ -447,11 +468,12 @@ class Cluster:
             except RayTaskError as e:  # the shard's own failure: raised as on one node
                 raise (e.cause if isinstance(e.cause, BaseException) else e) from None
             except RayActorError as e:
-                if self._died(seat, agent, e):  # its node is lost: the shard goes elsewhere
+                lost, how = self._died(seat, agent, e)
+                if lost:  # the shard goes elsewhere
                     suspect = None
                     continue
                 if alone:
-                    deaths.append(how_it_died(e)[1])
+                    deaths.append(how)
                     if len(deaths) >= POISON_DEATHS:
                         raise ShardKilledAgent(
                             f"{stage} shard {shard or '?'} killed the agent that ran it alone "
@@ -470,9 +492,10 @@ class Cluster:
                         seat.suspects -= 1
                     self.changed.notify_all()
 
-    def _died(self, seat: Seat, agent: Any, error: BaseException) -> bool:
+    def _died(self, seat: Seat, agent: Any, error: BaseException) -> tuple[bool, str]:
         """An agent died under a shard: whether its node is lost (Ray says the node died, or
-        no longer lists it alive). Else the agent's processes are cleared and a fresh one
+        no longer lists it alive), and how the agent died (its node's death note, read by the
+        first shard to see the death). Else the agent's processes are cleared and a fresh one
         started by the next shard there (its suspects first)."""
         node_died, how = how_it_died(error)
         with self.lock:
@@ -480,10 +503,12 @@ class Cluster:
             if first:
                 seat.agent, seat.ready = None, None
                 seat.node.dead.append(seat.mark)
+                mark = seat.mark
         if node_died or not self._alive(seat.node.node_id):
             self._lose(seat.node, f"{type(error).__name__}: {how}")
-            return True
+            return True, how
         if first:
+            how = self._death_note(seat.node, mark, how)
             tell(
                 logging.WARNING,
                 "node %s: its %s agent died (%s); a fresh one runs each shard it had in "
@@ -492,7 +517,7 @@ class Cluster:
                 seat.role,
                 how,
             )
-        return False
+        return False, how
 
     def _kill(self, seat: Seat) -> None:
         import ray

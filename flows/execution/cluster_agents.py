@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from flows.execution import death_notes
 from tasks.runtime import node as runtime_node
 from tasks.runtime.shards import ShardStats, current_node
 
@@ -33,6 +34,7 @@ MARK = "SDPIPE_AGENT"  # in the environment of an agent and of every process it 
 CLEAR_S = 30.0  # a dead agent's processes must be gone within this long of their SIGKILL
 WAIT_S = 600.0  # default of SDPIPE_CLUSTER_WAIT_S: the longest wait for an agent to start
 TELL_EVERY_S = 30.0
+RAY_OOM = "killed for memory (OOM, as Ray reports it)"  # Ray's memory monitor's kill
 POLL_S = 0.5
 
 
@@ -99,6 +101,7 @@ class NodeAgent:
 
     def __init__(self, env: dict[str, str], mark: str, dead: list[str]):
         self.cleared = clear(dead) if dead else 0
+        death_notes.begin(mark)  # how it dies, for the flow to read on its node after
         os.environ.update(env)  # for the processes it starts: its pools' workers
         os.environ[MARK] = mark
         # The node as this agent sees it: its budget, devices and pools, its slots.
@@ -140,9 +143,18 @@ class NodeAgent:
             devices.close()
 
 
-def clear_task(marks: list[str]) -> int:
-    """`clear` as a Ray task on a node (a dead agent nobody replaced, at the run's end)."""
-    return clear(marks)
+def clear_task(marks: list[str], run: str | None = None) -> int:
+    """`clear` as a Ray task on a node (a dead agent nobody replaced, at the run's end); with
+    `run`, the death notes of that run's agents there go too."""
+    cleared = clear(marks) if marks else 0
+    if run is not None:
+        death_notes.forget(f"{run}-")
+    return cleared
+
+
+def note_task(mark: str) -> str | None:
+    """`death_notes.read` as a Ray task on the dead agent's node."""
+    return death_notes.read(mark)
 
 
 def how_it_died(error: BaseException) -> tuple[bool, str]:
@@ -152,7 +164,7 @@ def how_it_died(error: BaseException) -> tuple[bool, str]:
     text = str(error)
     node_died = "node has died" in text or "NodeDiedError" in text
     if "OUT_OF_MEMORY" in text or "OutOfMemoryError" in text or "low on memory" in text:
-        return node_died, "killed for memory (OOM, as Ray reports it)"
+        return node_died, RAY_OOM
     if (m := re.search(r"Worker exit type: (\S+) Worker exit detail: ([^.]*)", text)) is not None:
         return node_died, f"its process died ({m[1]}: {m[2]})"
     lines = [line.strip() for line in text.splitlines() if line.strip()]

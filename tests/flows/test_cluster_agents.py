@@ -76,6 +76,8 @@ def test_a_poison_shard_fails_alone_and_the_run_goes_on(cluster, tmp_path, said)
         assert isinstance(error, ShardKilledAgent), error
         assert "shard poison" in str(error) and "2 times" in str(error), error
         assert "its process died" in str(error), error
+        # Its node has no fatal-signal report and counted no OOM kill: it says so.
+        assert "no fatal signal reported, no OOM kill counted: a SIGKILL" in str(error), error
         names = {n.name for n in nodes.nodes}
         assert set(results.values()) <= names, results  # every innocent shard finished
         assert nodes.lost() == []
@@ -87,6 +89,26 @@ def test_a_poison_shard_fails_alone_and_the_run_goes_on(cluster, tmp_path, said)
     # What the dead agents left (the poison's grandchildren) is gone.
     left = [pid for pid in Path(pids).read_text().split() if Path(f"/proc/{pid}/cmdline").exists()]
     assert [p for p in left if Path(f"/proc/{p}/cmdline").read_bytes()] == []
+
+
+def _crash() -> None:
+    """A native crash in the agent's own process (as a decoder reading past its buffer)."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def test_a_shard_that_crashes_its_agent_is_named_with_the_signal_and_where(cluster, said):
+    with Cluster(cluster.address, workers=2) as nodes:
+        nodes.limits(lambda budget, devices: {"shards": 1})
+        error = run_all(nodes, {"segv": on_node(_crash)})["segv"]
+        assert isinstance(error, ShardKilledAgent), error
+        # Ray says "connection error code 2" for this as for a SIGKILL; the node tells more.
+        assert str(error).count("Segmentation fault in string_at (__init__.py:") == 2, error
+        assert ", from _crash (test_cluster_agents.py:" in str(error), error
+        assert "a fatal signal, as its faulthandler reported" in str(error), error
+        assert sum("agent died (Segmentation fault" in line for line in said) == 3, said
+        assert nodes.lost() == []
 
 
 def test_a_node_that_joins_mid_run_takes_shards(cluster, monkeypatch):
