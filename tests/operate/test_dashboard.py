@@ -36,7 +36,10 @@ def test_dashboard_shows_the_demo_run(shared_stack, demo_run, out_dir, browser):
         # The run's page: completed, from build-latents/demo, with its task runs.
         page.get_by_text(demo_run.name).first.click()
         page.wait_for_url(f"**/runs/flow-run/{demo_run.id}**")
-        page.get_by_text("Task runs").first.wait_for()
+        # The run's header once its data came (the "Task Runs" tab is there before: a body
+        # read then lacked the run's details under load).
+        page.get_by_text(re.compile(r"\b\d{2,} Task runs")).first.wait_for()
+        page.get_by_role("link", name="build-latents").first.wait_for()
         body = page.inner_text("body")
         assert "build-latents" in body and "Completed" in body and "sdpipe" in body
         assert re.search(r"\b\d{2,} Task runs", body), body[:1500]
