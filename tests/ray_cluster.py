@@ -84,8 +84,9 @@ class LocalCluster:
     def address(self) -> str:
         return self.cluster.address
 
-    def _add(self):
-        return self.cluster.add_node(num_cpus=self.cpus)
+    def _add(self, gpus: int = 0):
+        # Ray's GPUs are resources it counts: a node may say it has one where torch has none.
+        return self.cluster.add_node(num_cpus=self.cpus, num_gpus=gpus)
 
     def node_ids(self) -> list[str]:
         """The worker nodes' Ray node ids, in the order they were added."""
@@ -97,8 +98,8 @@ class LocalCluster:
         self.cluster.remove_node(node, allow_graceful=False)
         self.nodes.remove(node)
 
-    def add(self) -> str:
-        node = self._add()
+    def add(self, gpus: int = 0) -> str:
+        node = self._add(gpus)
         self.nodes.append(node)
         self.cluster.wait_for_nodes()
         return node.node_id

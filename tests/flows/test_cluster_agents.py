@@ -130,6 +130,56 @@ def test_a_node_that_joins_mid_run_takes_shards(cluster, monkeypatch):
             cluster.kill(joined)  # the cluster as the test found it
 
 
+def _serve_saying_gpus(node, device, shards):
+    """A GPU stage's worker: each shard's result is the node and the GPUs Ray gave its agent."""
+    import os
+    import time
+
+    for shard in shards:
+        time.sleep(0.1)
+        yield shard, (os.environ["SDPIPE_NODE"], os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
+def _free_gpus() -> float:
+    import ray
+
+    return ray.available_resources().get("GPU", 0)
+
+
+def _wait_for(condition, seconds: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def test_a_run_holds_a_nodes_gpus_only_while_a_gpu_stage_runs(cluster):
+    gpu_node = cluster.add(gpus=1)
+    try:
+        with Cluster(cluster.address, workers=2) as nodes:
+            nodes.limits(lambda budget, devices: {"shards": 2, "encode": 2})
+            (gpu_name,) = [n.name for n in nodes.nodes if n.node_id == gpu_node]
+            ran = run_all(nodes, {f"c{i}": node_after(0.2) for i in range(6)})
+            assert gpu_name in ran.values(), ran  # a CPU stage's shard ran there...
+            assert _free_gpus() == 1  # ...by an agent holding no GPU
+            with nodes.devices("encode", "encode-test", _serve_saying_gpus) as stage:
+                with ThreadPoolExecutor(8) as pool:
+                    results = list(pool.map(stage.run, [f"{i:05d}" for i in range(8)]))
+                assert (gpu_name, "0") in results, results  # its agent was given the GPU
+                assert _free_gpus() == 0  # and holds it while the stage runs
+            # The stage closed: its agents ended, the GPU is free for other runs.
+            assert _wait_for(lambda: _free_gpus() == 1), _free_gpus()
+            # The run goes on with its CPU agents, holding no GPU.
+            run_all(nodes, {f"d{i}": node_after(0) for i in range(2)})
+            assert _free_gpus() == 1
+    finally:
+        cluster.kill(gpu_node)  # the cluster as the test found it
+
+
 def test_waiting_for_an_agent_says_who_holds_the_node_and_fails_at_its_deadline(
     cluster, monkeypatch, said
 ):
