@@ -157,25 +157,55 @@ def _wait_for(condition, seconds: float = 30.0) -> bool:
     return True
 
 
-def test_a_run_holds_a_nodes_gpus_only_while_a_gpu_stage_runs(cluster):
+def test_a_run_holds_a_nodes_gpus_only_while_a_gpu_stage_runs(cluster, monkeypatch):
+    """And tells Ray's autoscaler what it uses: each node's CPUs, the GPUs while a GPU stage
+    runs, one node more while every node is at its limit; nothing once it ends."""
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.autoscaler import sdk
+
+    from flows.execution import cluster as cluster_module
+
+    monkeypatch.setattr(cluster_module, "NODES_EVERY_S", 0.0)  # the demand told at every pick
+    asked: list[list[dict]] = []  # each demand the run told, in order
+    request = sdk.request_resources
+
+    def told(bundles):
+        asked.append(bundles)
+        request(bundles=bundles)  # on to the cluster, as in a run
+
+    monkeypatch.setattr(sdk, "request_resources", told)
     gpu_node = cluster.add(gpus=1)
     try:
         with Cluster(cluster.address, workers=2) as nodes:
-            nodes.limits(lambda budget, devices: {"shards": 2, "encode": 2})
+            nodes.limits(lambda budget, devices: {"shards": 1, "encode": 2})
             (gpu_name,) = [n.name for n in nodes.nodes if n.node_id == gpu_node]
-            ran = run_all(nodes, {f"c{i}": node_after(0.2) for i in range(6)})
+            ran = run_all(nodes, {f"c{i}": node_after(0.5) for i in range(6)})
             assert gpu_name in ran.values(), ran  # a CPU stage's shard ran there...
             assert _free_gpus() == 1  # ...by an agent holding no GPU
+            each = [{"CPU": 2}] * len(nodes.nodes)
+            assert each + [{"CPU": 2}] in asked, asked  # 6 shards on 4 nodes of 1: one more
             with nodes.devices("encode", "encode-test", _serve_saying_gpus) as stage:
                 with ThreadPoolExecutor(8) as pool:
                     results = list(pool.map(stage.run, [f"{i:05d}" for i in range(8)]))
                 assert (gpu_name, "0") in results, results  # its agent was given the GPU
                 assert _free_gpus() == 0  # and holds it while the stage runs
+                assert any({"CPU": 2, "GPU": 1} in bundles for bundles in asked), asked
             # The stage closed: its agents ended, the GPU is free for other runs.
             assert _wait_for(lambda: _free_gpus() == 1), _free_gpus()
-            # The run goes on with its CPU agents, holding no GPU.
+            # The run goes on with its CPU agents, holding no GPU and asking for none.
             run_all(nodes, {f"d{i}": node_after(0) for i in range(2)})
             assert _free_gpus() == 1
+            assert asked[-1] == each, asked[-1]
+        # The run's demand withdrawn where the autoscaler reads it.
+        import ray
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        ray.init(address=cluster.address, log_to_driver=False)
+        try:
+            assert asked[-1] == []
+            assert _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL) == b"[]"
+        finally:
+            ray.shutdown()
     finally:
         cluster.kill(gpu_node)  # the cluster as the test found it
 
