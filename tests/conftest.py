@@ -7,7 +7,9 @@ with its SQLite database, a process worker and every deployment of prefect.yaml.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,7 +22,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The GPU pool's device locks (flows/execution/pools.py) live in /tmp/sdpipe-devices by default: one
 # folder per test process, so parallel test workers (and other checkouts' suites on this
 # machine) never wait on each other's "devices".
-os.environ.setdefault("SDPIPE_DEVICE_LOCKS", tempfile.mkdtemp(prefix="sdpipe-test-locks-"))
+if "SDPIPE_DEVICE_LOCKS" not in os.environ:  # made here (xdist workers inherit it): gone at exit
+    os.environ["SDPIPE_DEVICE_LOCKS"] = tempfile.mkdtemp(prefix="sdpipe-test-locks-")
+    atexit.register(shutil.rmtree, os.environ["SDPIPE_DEVICE_LOCKS"], ignore_errors=True)
 
 DEMO_IMAGES = 60
 
