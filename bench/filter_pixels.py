@@ -4,8 +4,8 @@ kept rows split back into one `selected/NNNNN.parquet` per shard.
 Writes N fetched-shard sample tables as fetch-images leaves them (the metadata row's columns +
 fetched width, height, sha256, status; 2% failed downloads, 3% repeated image bytes) into a
 temporary data root, then times `tasks.curation.filter_pixels.select_pixels` with the recipe's
-phase-1 profile (laion-broad: scores, size, key/url/sha256 dedup), best of R.
-Prints one JSON object.
+phase-1 profile (laion-broad: scores, size, key/url/sha256 dedup), best of R, and the process's
+peak RSS. Prints one JSON object.
 Usage: python bench/filter_pixels.py [--shards N] [--rows-per-shard M] [--repeat R]
 """
 
@@ -20,11 +20,14 @@ sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
+import resource
 import shutil
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -75,7 +78,11 @@ def main() -> None:
     profile = load_catalog().profile("laion-broad")
     root = Path(tempfile.mkdtemp(prefix="sdpipe-bench-filter-pixels-"))
     try:
-        fetched = write_shards(root / "laion" / "shards", args.shards, args.rows_per_shard)
+        # Written by a child process, so this one's peak RSS is the stage's alone.
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(1, mp_context=spawn) as child:
+            folder = root / "laion" / "shards"
+            fetched = child.submit(write_shards, folder, args.shards, args.rows_per_shard).result()
         runs = []
         for _ in range(args.repeat):
             shutil.rmtree(root / "laion" / "selected", ignore_errors=True)
@@ -102,6 +109,9 @@ def main() -> None:
                 "rows_per_s": round(fetched / best),
                 "kept": stats.num_out,
                 "dropped": stats.dropped,
+                # this process at its peak: DuckDB (capped by its memory_limit) and what the
+                # stage holds in Python and Arrow (the kept rows, the dedup arrays)
+                "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
                 "machine": f"{platform.machine()} {os.cpu_count()} cores",
                 "load_avg_1m": round(os.getloadavg()[0], 2),
             }

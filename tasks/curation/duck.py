@@ -69,6 +69,13 @@ def connect(root: Path | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def batches(relation: duckdb.DuckDBPyRelation, rows: int) -> pa.RecordBatchReader:
+    """The relation's rows as a reader of batches of `rows`, streamed out of DuckDB."""
+    if hasattr(relation, "to_arrow_reader"):  # DuckDB 2 renamed it
+        return relation.to_arrow_reader(rows)
+    return relation.fetch_record_batch(rows)
+
+
 def to_arrow(relation: duckdb.DuckDBPyRelation) -> pa.Table:
     table = relation.arrow()
     return table.read_all() if hasattr(table, "read_all") else table  # newer DuckDB: a reader
@@ -167,11 +174,7 @@ def write_shards(kept: duckdb.DuckDBPyRelation, out_dir: Path, samples_per_shard
     returns the shard count. Memory holds the shards being written, never the whole output."""
     for old in out_dir.glob("[0-9]*.parquet"):
         old.unlink()
-    reader = (  # DuckDB 2 renamed it
-        kept.to_arrow_reader(samples_per_shard)
-        if hasattr(kept, "to_arrow_reader")
-        else kept.fetch_record_batch(samples_per_shard)
-    )
+    reader = batches(kept, samples_per_shard)
 
     def write(index: int, part: pa.Table) -> None:
         with atomic_path(out_dir / f"{shard_name(index)}.parquet") as tmp:

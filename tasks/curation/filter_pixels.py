@@ -12,7 +12,7 @@ from catalog import FilterProfile
 from sdtrain.atomic import clean_temporaries
 from tasks.curation import duck, selection
 from tasks.curation.dedup import PhashLosers, SemanticLosers
-from tasks.curation.duck import connect, to_arrow
+from tasks.curation.duck import connect
 from tasks.curation.filter import (
     ALL,
     EMPTY_COLUMNS,
@@ -24,6 +24,8 @@ from tasks.curation.filter import (
     record,
 )
 from tasks.runtime.shards import ShardStats, run_shard
+
+KEPT_BATCH_ROWS = 65_536  # kept rows read from DuckDB at once while writing the selection
 
 
 def pixel_rows(
@@ -113,13 +115,11 @@ def select_pixels(
             phash=phash,
             semantic=semantic,
         )
-        kept = to_arrow(
-            con.sql(
-                "SELECT key, caption, filename FROM passing WHERE reason IS NULL "
-                "ORDER BY filename, key"
-            )
+        kept = con.sql(
+            "SELECT key, caption, filename FROM passing WHERE reason IS NULL ORDER BY filename, key"
         )
-        selection.write_shards(root, source, kept, tables)
+        # Read in batches (DuckDB keeps the sorted rows, spilling): a shard's rows at most here.
+        selection.write_shards(root, source, duck.batches(kept, KEPT_BATCH_ROWS), tables)
         record(stats, wf)
         stats.extra = {
             "num_shards": len(tables),

@@ -13,6 +13,7 @@ their record is gone.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -64,31 +65,37 @@ def forget_other_scorer(root: Path, source: str, identity: dict | None) -> None:
         path.unlink(missing_ok=True)
 
 
-def write_shards(root: Path, source: str, kept: pa.Table, shards: list[Path]) -> int:
-    """Each fetched shard's kept rows (`kept`: key, caption, filename, in filename order) to
+def write_shards(
+    root: Path, source: str, kept: pa.RecordBatchReader | pa.Table, shards: list[Path]
+) -> int:
+    """Each fetched shard's kept rows (`kept`: key, caption, filename, in filename order, as
+    batches read one at a time: a shard's rows at most are held) to
     `selected/<shard>.parquet` (key, caption), a file for every shard, none for others. Returns
     how many shards whose rows changed had tokens or latents built from them (forgotten first).
     """
     out_dir = root / source / STAGE
-    runs = _runs(kept["filename"])
-    unplaced = set(runs) - {str(p) for p in shards}
-    if unplaced:  # a kept row would be written to no shard
-        raise AssertionError(f"kept rows from files not listed as shards: {sorted(unplaced)}")
-    kept = kept.select(["key", "caption"])
+    if isinstance(kept, pa.Table):
+        kept = pa.RecordBatchReader.from_batches(kept.schema, kept.to_batches())
+    by_name = {str(p): p for p in shards}
     out_dir.mkdir(parents=True, exist_ok=True)
     names = {p.name for p in shards}
     for old in out_dir.glob("[0-9]*.parquet"):
         if old.name not in names:
             _forget_built_from(root, source, old.stem)
             old.unlink()
+    schema = pa.schema([kept.schema.field("key"), kept.schema.field("caption")])
+    written: set[str] = set()
     num_changed = 0
-    for path in shards:
-        start, length = runs.get(str(path), (0, 0))
-        rows = kept.slice(start, length)
-        if not _same_rows(out_dir / path.name, rows):
-            num_changed += _forget_built_from(root, source, path.stem)
-        with atomic_path(out_dir / path.name) as tmp:
-            pq.write_table(rows, tmp)
+    for filename, rows in _shard_runs(kept, schema):
+        if filename not in by_name:  # a kept row would be written to no shard
+            raise AssertionError(f"kept rows from a file not listed as a shard: {filename}")
+        if filename in written:
+            raise AssertionError(f"kept rows not in filename order: {filename} twice")
+        written.add(filename)
+        num_changed += _write(root, source, out_dir / by_name[filename].name, rows)
+    for name, path in by_name.items():
+        if name not in written:  # a shard that keeps nothing still has its (empty) file
+            num_changed += _write(root, source, out_dir / path.name, schema.empty_table())
     if num_changed:
         log.warning(
             "filter-pixels %s: %d shard(s) now keep other rows; their %s run again",
@@ -97,6 +104,15 @@ def write_shards(root: Path, source: str, kept: pa.Table, shards: list[Path]) ->
             " and ".join(BUILT_FROM_SHARD),
         )
     return num_changed
+
+
+def _write(root: Path, source: str, path: Path, rows: pa.Table) -> int:
+    """A shard's selection file; 1 if its rows changed and something built from it was
+    forgotten."""
+    changed = 0 if _same_rows(path, rows) else _forget_built_from(root, source, path.stem)
+    with atomic_path(path) as tmp:
+        pq.write_table(rows, tmp)
+    return changed
 
 
 def _same_rows(path: Path, rows: pa.Table) -> bool:
@@ -118,17 +134,26 @@ def _forget_built_from(root: Path, source: str, shard: str) -> int:
     return forgotten
 
 
-def _runs(values: pa.ChunkedArray) -> dict[str, tuple[int, int]]:
-    """(start, length) of each value's run in `values`, which holds each value in one run.
-
-    Each shard's kept rows are a slice of the filename-ordered table: one pass, where a filter
-    per shard compared every kept row once per shard (shards x rows: hours at LAION scale).
-    """
-    if len(values) == 0:
-        return {}
-    encoded = values.combine_chunks().dictionary_encode()
-    codes = encoded.indices.to_numpy(zero_copy_only=False)
-    starts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
-    ends = np.append(starts[1:], len(codes))
-    names = encoded.dictionary.to_pylist()
-    return {names[codes[a]]: (int(a), int(b - a)) for a, b in zip(starts, ends, strict=True)}
+def _shard_runs(batches: pa.RecordBatchReader, schema: pa.Schema) -> Iterator[tuple[str, pa.Table]]:
+    """(filename, its rows as `schema`) for each run of one filename in `batches`, in order:
+    one pass over each batch's filename column, a run's pieces joined when it ends (a filter
+    per shard compared every kept row once per shard: shards x rows, hours at LAION scale)."""
+    name, pieces = None, []
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        encoded = batch.column("filename").dictionary_encode()
+        codes = encoded.indices.to_numpy(zero_copy_only=False)
+        values = encoded.dictionary.to_pylist()
+        starts = np.flatnonzero(np.concatenate([[True], codes[1:] != codes[:-1]]))
+        ends = np.append(starts[1:], len(codes))
+        rows = pa.Table.from_batches([batch]).select(schema.names).cast(schema)
+        for a, b in zip(starts, ends, strict=True):
+            value = values[codes[a]]
+            if value != name:
+                if pieces:
+                    yield name, pa.concat_tables(pieces).combine_chunks()
+                name, pieces = value, []
+            pieces.append(rows.slice(int(a), int(b - a)))
+    if pieces:
+        yield name, pa.concat_tables(pieces).combine_chunks()

@@ -7,7 +7,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import pytest
 
 from catalog import FilterProfile
 from sdtrain.atomic import write_json_atomic
@@ -89,3 +92,60 @@ def test_a_shard_scored_again_by_another_scorer_forgets_the_selection(fetched, s
     assert not score.forget_other_scorer(root, "src", "00001", SECOND)
     assert not recorded(root, selection.STAGE, selection.WHOLE_STAGE)
     assert not selection.selection_done(root, "src", SECOND)
+
+
+def _kept(names: list[str], rows_each: int, batch_rows: int):
+    """Kept rows of the shards `names` in filename order, as batches of `batch_rows` (a run of
+    one shard spans batches), produced one at a time: `given` counts the batches taken."""
+    keys = [f"{n[-5:]}{i:07d}" for n in names for i in range(rows_each)]
+    table = pa.table(
+        {
+            "key": keys,
+            "caption": [f"caption {k}" for k in keys],
+            "filename": [n for n in names for _ in range(rows_each)],
+        }
+    )
+    given = []
+
+    def batches():
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            given.append(batch.num_rows)
+            yield batch
+
+    return pa.RecordBatchReader.from_batches(table.schema, batches()), table, given
+
+
+def test_the_selection_is_written_shard_by_shard_as_the_kept_rows_stream(tmp_path):
+    shards = [tmp_path / "src" / "shards" / f"{i:05d}.parquet" for i in range(4)]
+    reader, table, given = _kept([str(shards[i]) for i in (0, 1, 3)], 10, 4)
+    out = tmp_path / "src" / selection.STAGE
+    seen_when = {}
+
+    def watched():  # which files were written when each batch was asked for
+        for batch in reader:
+            seen_when[len(seen_when)] = sorted(p.name for p in out.glob("[0-9]*.parquet"))
+            yield batch
+
+    selection.write_shards(
+        tmp_path, "src", pa.RecordBatchReader.from_batches(table.schema, watched()), shards
+    )
+    # Shard 0's file was written before the last batch was read: not the whole rows first.
+    assert "00000.parquet" in seen_when[len(seen_when) - 1], seen_when
+    assert "00001.parquet" not in seen_when[1], seen_when
+    for i, shard in enumerate(shards):
+        written = pq.read_table(out / shard.name)
+        assert written.column_names == ["key", "caption"]
+        expected = table.filter(pc.equal(table["filename"], str(shard)))
+        assert written["key"].to_pylist() == expected["key"].to_pylist(), i
+    assert pq.read_table(out / "00002.parquet").num_rows == 0  # a shard keeping nothing
+    assert len(given) == 8
+
+
+def test_kept_rows_out_of_filename_order_or_of_no_shard_are_refused(tmp_path):
+    shards = [tmp_path / "src" / "shards" / f"{i:05d}.parquet" for i in range(2)]
+    reader, _, _ = _kept([str(shards[0]), str(shards[1]), str(shards[0])], 3, 2)
+    with pytest.raises(AssertionError, match="not in filename order"):
+        selection.write_shards(tmp_path, "src", reader, shards)
+    reader, _, _ = _kept([str(shards[0]), str(tmp_path / "elsewhere.parquet")], 3, 2)
+    with pytest.raises(AssertionError, match="not listed as a shard"):
+        selection.write_shards(tmp_path, "src", reader, shards)
