@@ -50,7 +50,6 @@ from flows.execution.cluster_agents import (
     CLEAR_S,
     CPU,
     POLL_S,
-    RAY_OOM,
     ClusterError,
     Node,
     NodeAgent,
@@ -58,9 +57,10 @@ from flows.execution.cluster_agents import (
     Seat,
     ShardKilledAgent,
     clear_task,
+    death_note,
     how_it_died,
     names,
-    note_task,
+    on_node,
     tell,
     usable,
     wait_ready,
@@ -76,7 +76,6 @@ log = logging.getLogger(__name__)
 # lane): no timeout here; a lost node ends the call with RayActorError.
 AGENT_CONCURRENCY = 1024
 NODES_EVERY_S = 2.0  # how often a shard's pick reads Ray's node list for nodes that joined
-NOTE_S = 30.0  # the longest wait for a node to tell how its agent died
 POISON_DEATHS = 2  # a shard fails once it killed this many agents that ran it alone
 
 __all__ = ["Cluster", "ClusterError", "ShardKilledAgent", "cluster_address", "train_on_nodes"]
@@ -286,32 +285,7 @@ class Cluster:
             disconnect()
 
     def _clear(self, node: Node, run: str):
-        return self._on(node, clear_task).remote(node.dead, run)
-
-    def _on(self, node: Node, fn: Callable):
-        """`fn` as a Ray task on `node`, asking for no CPU (it waits for nothing)."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        return ray.remote(fn).options(
-            num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            runtime_env={"env_vars": node.env},
-        )
-
-    def _death_note(self, node: Node, mark: str, how: str) -> str:
-        """How the agent `mark` died: what its node tells (a fatal signal's report, OOM kills
-        of its cgroup; death_notes), else Ray's words `how`."""
-        import ray
-
-        try:
-            note = ray.get(self._on(node, note_task).remote(mark), timeout=NOTE_S)
-        except Exception as e:  # the node cannot tell: Ray's words alone
-            log.info("node %s: no death note of agent %s: %s", node.name, mark, e)
-            return how
-        if note is None and how != RAY_OOM:  # Ray's memory monitor kills by SIGKILL
-            return f"{how}; no fatal signal reported, no OOM kill counted: a SIGKILL, or an exit"
-        return note or how
+        return on_node(node, clear_task).remote(node.dead, run)
 
     def describe(self) -> str:
         return f"the Ray cluster at {self.address}: " + ", ".join(
@@ -508,7 +482,11 @@ class Cluster:
             self._lose(seat.node, f"{type(error).__name__}: {how}")
             return True, how
         if first:
-            how = self._death_note(seat.node, mark, how)
+            note = death_note(seat.node, mark, how, self._alive)
+            if note is None:  # its node left while it was asked
+                self._lose(seat.node, f"{type(error).__name__}: {how}")
+                return True, how
+            how = note
             tell(
                 logging.WARNING,
                 "node %s: its %s agent died (%s); a fresh one runs each shard it had in "

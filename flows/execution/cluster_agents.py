@@ -34,6 +34,7 @@ MARK = "SDPIPE_AGENT"  # in the environment of an agent and of every process it 
 CLEAR_S = 30.0  # a dead agent's processes must be gone within this long of their SIGKILL
 WAIT_S = 600.0  # default of SDPIPE_CLUSTER_WAIT_S: the longest wait for an agent to start
 TELL_EVERY_S = 30.0
+NOTE_S = 30.0  # the longest wait for a node to tell how its agent died
 RAY_OOM = "killed for memory (OOM, as Ray reports it)"  # Ray's memory monitor's kill
 POLL_S = 0.5
 
@@ -152,9 +153,43 @@ def clear_task(marks: list[str], run: str | None = None) -> int:
     return cleared
 
 
-def note_task(mark: str) -> str | None:
+def note_task(mark: str) -> tuple[str | None, str]:
     """`death_notes.read` as a Ray task on the dead agent's node."""
     return death_notes.read(mark)
+
+
+def on_node(node: Node, fn: Callable):
+    """`fn` as a Ray task on `node`, asking for no CPU (it waits for nothing)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return ray.remote(fn).options(
+        num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+        runtime_env={"env_vars": node.env},
+    )
+
+
+def death_note(node: Node, mark: str, how: str, alive: Callable[[str], bool]) -> str | None:
+    """How the agent `mark` died: what its node tells (a fatal signal's report, OOM kills of
+    its cgroup; death_notes), else Ray's words `how`; None where the node left meanwhile
+    (`alive(node_id)` no longer). A fatal signal's whole report goes to the run's log."""
+    import ray
+
+    try:
+        note, report = ray.get(on_node(node, note_task).remote(mark), timeout=NOTE_S)
+    except Exception as e:  # the node cannot tell: Ray's words alone, if it is still there
+        if not alive(node.node_id):
+            return None
+        log.info("node %s: no death note of agent %s: %s", node.name, mark, e)
+        return how
+    if report:
+        tell(
+            logging.WARNING, "node %s: agent %s's fatal-signal report:\n%s", node.name, mark, report
+        )
+    if note is None and how != RAY_OOM:  # Ray's memory monitor kills by SIGKILL
+        return f"{how}; no fatal signal reported, no OOM kill counted: a SIGKILL, or an exit"
+    return note or how
 
 
 def how_it_died(error: BaseException) -> tuple[bool, str]:

@@ -8,52 +8,68 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 
-FOLDER_ENV = "SDPIPE_AGENT_NOTES"  # where a node's notes go (default: <tmp>/sdpipe-agent-notes)
+FOLDER_ENV = (
+    "SDPIPE_AGENT_NOTES"  # where a node's notes go (default: <tmp>/sdpipe-agent-notes-<uid>)
+)
+KEEP_S = 7 * 86400  # notes a run never removed (its flow process was killed) go after this long
 _open: list = []  # the agent's report file: faulthandler writes to its descriptor when it dies
+log = logging.getLogger(__name__)
 
 
 def folder() -> Path:
-    return Path(os.environ.get(FOLDER_ENV) or Path(tempfile.gettempdir()) / "sdpipe-agent-notes")
+    default = Path(tempfile.gettempdir()) / f"sdpipe-agent-notes-{os.getuid()}"  # a user's own
+    return Path(os.environ.get(FOLDER_ENV) or default)
 
 
-def begin(mark: str) -> None:
+def begin(mark: str) -> bool:
     """In a starting agent: a fatal signal's report goes to `<mark>.fault`, and the OOM kills
-    its cgroup counted so far to `<mark>.oom`, for `read` after its death."""
+    its cgroup counted so far to `<mark>.oom`, for `read` after its death. Best effort: where
+    the folder cannot be written the agent runs without notes (False), and its death is told
+    in Ray's words alone."""
     notes = folder()
-    notes.mkdir(parents=True, exist_ok=True)
-    count = oom_kills()
-    tmp = notes / f".{mark}.oom.tmp"
-    tmp.write_text("" if count is None else str(count))
-    tmp.replace(notes / f"{mark}.oom")
-    report = open(notes / f"{mark}.fault", "w")  # noqa: SIM115 - open for the process's life
+    try:
+        notes.mkdir(parents=True, exist_ok=True)
+        _forget_old(notes)
+        count = oom_kills()
+        tmp = notes / f".{mark}.oom.tmp"
+        tmp.write_text("" if count is None else str(count))
+        tmp.replace(notes / f"{mark}.oom")
+        report = open(notes / f"{mark}.fault", "w")  # noqa: SIM115 - open for the process's life
+    except OSError as e:
+        log.warning("agent %s keeps no death note (%s: %s)", mark, notes, e)
+        return False
     faulthandler.enable(file=report, all_threads=False)
     _open.append(report)
+    return True
 
 
-def read(mark: str) -> str | None:
-    """How the agent `mark` died as its node tells it, None where the node tells nothing (a
-    SIGKILL not from the kernel's OOM killer, an exit from native code); its notes removed."""
+def read(mark: str) -> tuple[str | None, str]:
+    """(How the agent `mark` died as its node tells it, its fatal-signal report whole); the
+    first None where the node tells nothing (a SIGKILL not from the kernel's OOM killer, an
+    exit from native code). Its notes removed."""
     notes = folder()
-    fault = _take(notes / f"{mark}.fault")
+    fault = _take(notes / f"{mark}.fault") or ""
     before = _take(notes / f"{mark}.oom")
-    if (m := re.search(r"Fatal Python error: ([^\n]+)", fault or "")) is not None:
+    if (m := re.search(r"Fatal Python error: ([^\n]+)", fault)) is not None:
         frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', fault)
         # The innermost frame and its caller: a library's wrapper, then the code that called it.
         called = [f"{fn} ({Path(file).name}:{line})" for file, line, fn in frames[:2]]
         where = f" in {', from '.join(called)}" if called else ""
-        return f"{m[1].strip()}{where}: a fatal signal, as its faulthandler reported"
+        return f"{m[1].strip()}{where}: a fatal signal, as its faulthandler reported", fault
     after = oom_kills()
     if before and after is not None and after > int(before):
         return (
             f"the kernel's OOM killer killed {after - int(before)} process(es) of its memory "
             "cgroup while it ran"
-        )
-    return None
+        ), fault
+    return None, fault
 
 
 def forget(prefix: str) -> None:
@@ -73,6 +89,8 @@ def oom_kills(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgrou
         return None
     places = []
     for line in lines:
+        if line.count(":") < 2:
+            continue
         hierarchy, controllers, path = line.split(":", 2)
         if hierarchy == "0" and controllers == "":
             places += [Path(root, path.lstrip("/"), "memory.events"), Path(root, "memory.events")]
@@ -84,6 +102,15 @@ def oom_kills(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgrou
             if (m := re.search(r"^oom_kill (\d+)$", place.read_text(), re.M)) is not None:
                 return int(m[1])
     return None
+
+
+def _forget_old(notes: Path) -> None:
+    """Notes older than KEEP_S: their run ended without removing them (or its node was lost)."""
+    now = time.time()
+    for path in notes.iterdir():
+        with contextlib.suppress(OSError):
+            if now - path.stat().st_mtime > KEEP_S:
+                path.unlink()
 
 
 def _take(path: Path) -> str | None:

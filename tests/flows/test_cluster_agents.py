@@ -108,6 +108,9 @@ def test_a_shard_that_crashes_its_agent_is_named_with_the_signal_and_where(clust
         assert ", from _crash (test_cluster_agents.py:" in str(error), error
         assert "a fatal signal, as its faulthandler reported" in str(error), error
         assert sum("agent died (Segmentation fault" in line for line in said) == 3, said
+        # The whole report, every frame, in the run's log.
+        reports = [line for line in said if "fatal-signal report" in line]
+        assert len(reports) == 3 and all("in _call_alone" in r for r in reports), reports
         assert nodes.lost() == []
 
 

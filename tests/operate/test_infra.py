@@ -126,6 +126,8 @@ def _reads_the_ray_token_from_a_secret_file(pod: dict, container: dict) -> str:
     mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert path == f"{mount['mountPath']}/auth_token", path
+    # Required: a pod without it fails at its start naming the Secret, not Ray at its first use.
+    assert not volume["secret"].get("optional"), volume
     return volume["secret"]["secretName"]
 
 
@@ -137,6 +139,9 @@ def test_the_ray_cluster_and_the_flow_runs_use_one_token_file():
     pods += [g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]]
     template = json.loads((INFRA / "k8s" / "base-job-template.json").read_text())
     pods.append(template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"])
+    autoscaler = cluster["spec"]["autoscalerOptions"]  # KubeRay's sidecar in the head pod
+    sidecar = {"name": "autoscaler", **autoscaler}
+    pods.append({"containers": [sidecar], "volumes": pods[0]["volumes"]})
     secrets = {
         _reads_the_ray_token_from_a_secret_file(pod, c) for pod in pods for c in pod["containers"]
     }
