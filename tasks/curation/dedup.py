@@ -48,7 +48,9 @@ RANK_ORDER = (
 class PhashLosers(Protocol):
     """How a pHash level finds its losers in place of `NearHashes` (the partitioned tasks,
     `tasks.curation.phash_partitioned.PartitionedLosers`): bool [N] as
-    `NearHashes(hashes, max_distance).losers(rank, include)`; `summary()`: what its record keeps."""
+    `NearHashes(hashes, max_distance).losers(rank, include)`; `summary()`: what its record keeps.
+    A hook with `from_rows(batches, num_ranks, max_distance)` (the losing ranks, range by range)
+    is given the rows as batches from DuckDB instead of every row's arrays (`_phash_from_rows`)."""
 
     def __call__(
         self, hashes: np.ndarray, rank: np.ndarray, max_distance: int, include: np.ndarray | None
