@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 from catalog import FilterProfile
+from tasks.curation import duck
 from tasks.curation.phash_dedup import NearHashes
 from tasks.curation.semantic_dedup import Parts, SemanticIndex
 
@@ -30,6 +31,8 @@ from tasks.curation.semantic_store import semantic_workdir as semantic_workdir
 # A folder for semantic dedup's cluster-ordered store (a local disk: each round of the survivor
 # rule reads it again); unset, the source's folder on the data root.
 SEMANTIC_TEMP_ENV = "SDPIPE_SEMANTIC_TEMP"
+
+PHASH_BATCH_ROWS = 1 << 18  # rows read from DuckDB at once into a partitioned pHash hook
 
 # Survivor order of near and semantic duplicates: largest image, then highest aesthetic
 # (NaN: unknown, last), then smallest key.
@@ -45,7 +48,9 @@ RANK_ORDER = (
 class PhashLosers(Protocol):
     """How a pHash level finds its losers in place of `NearHashes` (the partitioned tasks,
     `tasks.curation.phash_partitioned.PartitionedLosers`): bool [N] as
-    `NearHashes(hashes, max_distance).losers(rank, include)`; `summary()`: what its record keeps."""
+    `NearHashes(hashes, max_distance).losers(rank, include)`; `summary()`: what its record keeps.
+    A hook with `from_rows(batches, num_ranks, max_distance)` (the losing ranks, range by range)
+    is given the rows as batches from DuckDB instead of every row's arrays (`_phash_from_rows`)."""
 
     def __call__(
         self, hashes: np.ndarray, rank: np.ndarray, max_distance: int, include: np.ndarray | None
@@ -152,6 +157,17 @@ def mark(
             f"{value} AS value, row_number() OVER (ORDER BY {', '.join(_rank_terms(con))}) - 1 "
             f"AS pos FROM passing WHERE {value} IS NOT NULL"
         )
+        if level == "phash" and hasattr(phash, "from_rows"):  # no per-row arrays here
+            alone = _phash_from_rows(con, phash, profile.phash_distance)
+            if notes is not None:
+                notes.setdefault("partitioned", {})["phash"] = phash.summary()
+            con.sql("DROP TABLE ranked")
+            if alone == 0:
+                return 0, 0
+            con.sql(f"UPDATE passing SET reason = '{reason}' WHERE rowid IN (SELECT id FROM lost)")
+            con.sql("DROP TABLE lost")
+            removed = _scalar(con, f"SELECT count(*) FROM passing WHERE reason = '{reason}'")
+            return alone, removed
         extra = ", value" if level == "phash" else ""
         rows = con.sql(f"SELECT id, kept{extra} FROM ranked ORDER BY pos").fetchnumpy()
         ids, kept = rows["id"], np.asarray(rows["kept"], bool)
@@ -206,6 +222,26 @@ def mark(
         con.unregister("lost")
     removed = _scalar(con, f"SELECT count(*) FROM passing WHERE reason = '{reason}'")
     return alone, removed
+
+
+def _phash_from_rows(con: duckdb.DuckDBPyConnection, phash, distance: int) -> int:
+    """The pHash level through a hook that takes its rows as batches (`from_rows`): table
+    `ranked`'s rows stream to it from DuckDB, over every row (`alone`, returned) and over the
+    kept ones; the ids of the kept ones that lose go to table `lost`. This process holds a
+    batch of rows and the ranks that lose, not an array per row."""
+
+    def rows(where: str):
+        sql = f"SELECT value AS hash, pos AS rank FROM ranked {where} ORDER BY pos"
+        return duck.batches(con.sql(sql), PHASH_BATCH_ROWS)
+
+    num = int(_scalar(con, "SELECT count(*) FROM ranked"))
+    alone = sum(len(lost) for lost in phash.from_rows(rows(""), num, distance))
+    kept = list(phash.from_rows(rows("WHERE kept"), num, distance)) if alone else []
+    pos = np.concatenate(kept) if kept else np.zeros(0, np.int64)
+    con.register("lost_pos", pa.table({"pos": pa.array(pos, pa.int64())}))
+    con.sql("CREATE OR REPLACE TEMP TABLE lost AS SELECT id FROM ranked JOIN lost_pos USING (pos)")
+    con.unregister("lost_pos")
+    return alone
 
 
 def _rank_terms(con: duckdb.DuckDBPyConnection) -> list[str]:

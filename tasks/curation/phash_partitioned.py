@@ -21,10 +21,13 @@ import json
 import math
 import os
 import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 from tasks.curation.partition_files import (
     LocalProcesses,
@@ -385,16 +388,22 @@ def _save_progress(path: Path, run: PhashRun, undecided: list[int]) -> None:
 def write_inputs(folder: Path, hashes: np.ndarray, rank: np.ndarray, rows_per_file: int) -> list:
     """`hashes` and `rank` as ROW files of `rows_per_file` rows (tests, benches)."""
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, start in enumerate(range(0, len(hashes), rows_per_file)):
-        rows = np.empty(min(rows_per_file, len(hashes) - start), ROW)
-        rows["hash"] = hashes[start : start + len(rows)]
-        rows["rank"] = rank[start : start + len(rows)]
-        path = folder / f"{i:05d}.npy"
-        np.save(folder / f"{i:05d}.tmp.npy", rows)
-        (folder / f"{i:05d}.tmp.npy").rename(path)
-        paths.append(path)
-    return paths
+    return [
+        write_input(
+            folder, i, hashes[start : start + rows_per_file], rank[start : start + rows_per_file]
+        )
+        for i, start in enumerate(range(0, len(hashes), rows_per_file))
+    ]
+
+
+def write_input(folder: Path, index: int, hashes: np.ndarray, rank: np.ndarray) -> Path:
+    """One ROW input file, `<index>.npy`, written under a temporary name."""
+    rows = np.empty(len(hashes), ROW)
+    rows["hash"], rows["rank"] = hashes, rank
+    path = folder / f"{index:05d}.npy"
+    np.save(folder / f"{index:05d}.tmp.npy", rows)
+    (folder / f"{index:05d}.tmp.npy").rename(path)
+    return path
 
 
 class PartitionedLosers:
@@ -441,6 +450,64 @@ class PartitionedLosers:
             write_inputs(tmp, hashes, rank, self.rows_per_task)
             tmp.rename(folder)
         return sorted(folder.glob("[0-9]*.npy"))
+
+    def from_rows(
+        self, batches: Iterable[pa.RecordBatch], num_ranks: int, max_distance: int
+    ) -> Iterator[np.ndarray]:
+        """The ranks that lose among the rows of `batches` (columns `hash` uint64, `rank`
+        int64, each rank < `num_ranks`), range by range, ascending (int64). The rows go
+        straight from the batches to input files: this process holds a task's rows at most,
+        and the ranks that lose, where `__call__` takes every row's hash and rank at once."""
+        inputs = self._stream_inputs(batches)
+        if not inputs:
+            return
+        p = make_plan(
+            inputs, num_ranks, max_distance, self.workdir, rows_per_task=self.rows_per_task
+        )
+        self.folders.append(p.root)
+        run = run_phash(p, self.executor)
+        self.runs.append(run)
+        for q in range(p.num_parts if run.sources else 0):
+            yield p.bounds(q)[0] + np.flatnonzero(run.dropped_range(q))
+
+    def _stream_inputs(self, batches: Iterable[pa.RecordBatch]) -> list[Path]:
+        """Input files of `rows_per_task` rows written as the batches come, in a folder named by
+        their content (kept where a run before wrote the same: its plan's partitions reused)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="phash-inputs.tmp-", dir=self.workdir))
+        # Named by the rows, not by how they were batched: one digest a column.
+        of_hashes, of_ranks, held, count, files = hashlib.sha256(), hashlib.sha256(), [], 0, 0
+        try:
+            for batch in batches:
+                hashes = batch.column("hash").to_numpy().astype(np.uint64, copy=False)
+                ranks = batch.column("rank").to_numpy().astype(np.int64, copy=False)
+                of_hashes.update(hashes.tobytes())
+                of_ranks.update(ranks.tobytes())
+                held.append((hashes, ranks))
+                count += len(hashes)
+                while count >= self.rows_per_task:
+                    held, count = self._write_input(tmp, files, held, self.rows_per_task)
+                    files += 1
+            if count:
+                self._write_input(tmp, files, held, count)
+                files += 1
+            name = hashlib.sha256(of_hashes.digest() + of_ranks.digest()).hexdigest()[:16]
+            folder = self.workdir / f"phash-inputs-{name}-{self.rows_per_task}"
+            self.folders.append(folder)
+            if files and not folder.is_dir():  # renamed whole: a folder there is complete
+                tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return sorted(folder.glob("[0-9]*.npy")) if files else []
+
+    @staticmethod
+    def _write_input(folder: Path, index: int, held: list, rows: int) -> tuple[list, int]:
+        """The first `rows` held rows as input file `index`; what is left held, and its count."""
+        hashes = np.concatenate([h for h, _ in held])
+        ranks = np.concatenate([r for _, r in held])
+        write_input(folder, index, hashes[:rows], ranks[:rows])
+        left = len(hashes) - rows
+        return ([(hashes[rows:], ranks[rows:])] if left else []), left
 
     def summary(self) -> dict:
         """What the stage's record keeps of its runs (one over every row, one over the kept)."""

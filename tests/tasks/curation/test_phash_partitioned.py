@@ -5,9 +5,12 @@ folder removed and every finished partition reused."""
 
 from __future__ import annotations
 
+import duckdb
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from catalog import FilterProfile
 from tasks.curation import dedup, phash_dedup
 from tasks.curation import phash_partitioned as pp
 from tasks.curation.partition_files import LocalProcesses
@@ -180,3 +183,72 @@ def test_partitioned_losers_decide_as_near_hashes_over_all_and_over_the_included
     assert again.summary()["reused"] == again.summary()["tasks"]
     losers.cleanup()
     assert not list((tmp_path / "work").iterdir())  # partition files and inputs alike
+
+
+def _batches(hashes: np.ndarray, rank: np.ndarray, rows: int):
+    """(hash, rank) in rank order as record batches of `rows`, as DuckDB hands them out."""
+    order = np.argsort(rank)
+    table = pa.table({"hash": hashes[order], "rank": rank[order].astype(np.int64)})
+    return iter(table.to_batches(max_chunksize=rows))
+
+
+def test_rows_given_as_batches_lose_as_near_hashes_and_a_rerun_reuses_everything(tmp_path):
+    """`from_rows`: the hook filter-pixels' pHash level streams its rows to, in batches that
+    do not line up with the input files (50 rows against files of 128)."""
+    rng = np.random.default_rng(6)
+    hashes = dense(rng, 700)
+    rank = rng.permutation(len(hashes))
+    include = rng.random(len(hashes)) < 0.6
+    near = phash_dedup.NearHashes(hashes, 3)
+    losers = pp.PartitionedLosers(LocalProcesses(0), tmp_path / "work", rows=128)
+    lost_all = np.concatenate(list(losers.from_rows(_batches(hashes, rank, 50), 700, 3)))
+    assert np.array_equal(lost_all, np.sort(rank[near.losers(rank)]))  # ranks, ascending
+    kept = _batches(hashes[include], rank[include], 50)
+    lost_kept = np.concatenate(list(losers.from_rows(kept, 700, 3)))
+    assert np.array_equal(np.sort(lost_kept), np.sort(rank[near.losers(rank, include)]))
+    assert losers.summary()["runs"] == 2
+
+    again = pp.PartitionedLosers(LocalProcesses(0), tmp_path / "work", rows=128)
+    kept = _batches(hashes[include], rank[include], 70)  # other batches, same rows
+    assert np.array_equal(np.concatenate(list(again.from_rows(kept, 700, 3))), lost_kept)
+    assert again.summary()["reused"] == again.summary()["tasks"]
+    assert list(again.from_rows(iter([]), 700, 3)) == []  # no rows: nothing lost, no run
+    losers.cleanup()
+    again.cleanup()
+    assert not list((tmp_path / "work").iterdir())
+
+
+def test_the_level_streams_its_rows_to_the_hook_and_marks_as_in_process(tmp_path):
+    """`dedup.mark` with the partitioned hook marks the rows the in-process level marks, and
+    hands it no array of every row (its array entry point is never called)."""
+    rng = np.random.default_rng(7)
+    n = 900
+    hashes = dense(rng, n)
+    table = pa.table(
+        {
+            "key": [f"{i:09d}" for i in range(n)],
+            "phash": pa.array(hashes, pa.uint64()),
+            "width": rng.integers(100, 400, n),
+            "height": rng.integers(100, 400, n),
+            "aesthetic": rng.normal(6, 1, n),
+            "reason": pa.array(
+                [None if rng.random() < 0.8 else "too_small" for _ in range(n)], pa.string()
+            ),
+        }
+    )
+    profile = FilterProfile(name="t", dedup=("phash",), phash_distance=3)
+
+    class RowsOnly(pp.PartitionedLosers):
+        def __call__(self, *args):
+            raise AssertionError("every row's arrays handed over")
+
+    marked = []
+    for hook in (None, RowsOnly(LocalProcesses(0), tmp_path / "work", rows=128)):
+        con = duckdb.connect()
+        con.register("t", table)
+        con.sql("CREATE TABLE passing AS SELECT * FROM t")
+        counts = dedup.mark(con, profile, "phash", None, phash=hook)
+        reasons = con.sql("SELECT key, reason FROM passing ORDER BY key").fetchall()
+        marked.append((counts, reasons))
+    assert marked[0] == marked[1]
+    assert marked[0][0][1] > 0  # the level removed rows
