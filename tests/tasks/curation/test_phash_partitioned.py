@@ -163,16 +163,22 @@ def test_tasks_in_worker_processes_decide_as_in_one(tmp_path):
     assert (run.dropped()[rank] == dedup.phash_losers(hashes, rank, 4)).all()
 
 
+def _hook_rows(tmp_path, seed: int):
+    """700 dense hashes, their ranks, an included 60%, `NearHashes` over them (k = 3), and a
+    hook with input files of 128 rows."""
+    rng = np.random.default_rng(seed)
+    hashes = dense(rng, 700)
+    rank = rng.permutation(len(hashes))
+    include = rng.random(len(hashes)) < 0.6
+    losers = pp.PartitionedLosers(LocalProcesses(0), tmp_path / "work", rows=128)
+    return hashes, rank, include, phash_dedup.NearHashes(hashes, 3), losers
+
+
 def test_partitioned_losers_decide_as_near_hashes_over_all_and_over_the_included(tmp_path):
     """The hook filter-pixels' pHash level takes (`dedup.mark(phash=)`): losers among all rows,
     and among an included subset, as `NearHashes.losers(rank, include)`; a second hook over the
     same rows reuses every partition."""
-    rng = np.random.default_rng(5)
-    hashes = dense(rng, 700)
-    rank = rng.permutation(len(hashes))
-    include = rng.random(len(hashes)) < 0.6
-    near = phash_dedup.NearHashes(hashes, 3)
-    losers = pp.PartitionedLosers(LocalProcesses(0), tmp_path / "work", rows=128)
+    hashes, rank, include, near, losers = _hook_rows(tmp_path, 5)
     assert np.array_equal(losers(hashes, rank, 3, None), near.losers(rank))
     assert np.array_equal(losers(hashes, rank, 3, include), near.losers(rank, include))
     summary = losers.summary()
@@ -195,12 +201,7 @@ def _batches(hashes: np.ndarray, rank: np.ndarray, rows: int):
 def test_rows_given_as_batches_lose_as_near_hashes_and_a_rerun_reuses_everything(tmp_path):
     """`from_rows`: the hook filter-pixels' pHash level streams its rows to, in batches that
     do not line up with the input files (50 rows against files of 128)."""
-    rng = np.random.default_rng(6)
-    hashes = dense(rng, 700)
-    rank = rng.permutation(len(hashes))
-    include = rng.random(len(hashes)) < 0.6
-    near = phash_dedup.NearHashes(hashes, 3)
-    losers = pp.PartitionedLosers(LocalProcesses(0), tmp_path / "work", rows=128)
+    hashes, rank, include, near, losers = _hook_rows(tmp_path, 6)
     lost_all = np.concatenate(list(losers.from_rows(_batches(hashes, rank, 50), 700, 3)))
     assert np.array_equal(lost_all, np.sort(rank[near.losers(rank)]))  # ranks, ascending
     kept = _batches(hashes[include], rank[include], 50)
