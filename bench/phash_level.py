@@ -1,10 +1,11 @@
 """filter-pixels' pHash level through the partitioned hook (`dedup.mark(phash=)`): what the
 flow's process holds. A DuckDB table `passing` of N rows (3% exact pHash copies, 20% already
-dropped by a rule) is marked once with the hook taking its rows as batches (`rows`: the stage's
-path) and once with every row's arrays handed over (`arrays`: the path before), each in a fresh
-process, DuckDB capped as the stage caps it; per path the wall time and what the level held
-outside DuckDB at its peak (numpy and Python objects by tracemalloc, Arrow's pool by its own
-peak), per row; the process's peak RSS beside (DuckDB's own memory, capped, sets it here).
+dropped by a rule) is marked once through the partitioned hook, its rows streamed to it in
+batches (`partitioned`: the stage's path past SDPIPE_PHASH_TASK_ROWS), and once by the level in
+this process over every row's arrays (`in_process`: `NearHashes`, the one-node path), each in a
+fresh process, DuckDB capped as the stage caps it; per path the wall time and what the level
+held outside DuckDB at its peak (numpy and Python objects by tracemalloc, Arrow's pool by its
+own peak), per row; the process's peak RSS beside (DuckDB's own memory, capped, sets it here).
 Prints one JSON object.
 Usage: python bench/phash_level.py [--rows N] [--workers W] [--duckdb-memory 1GB]
 """
@@ -54,9 +55,9 @@ def one(path: str, rows: int, workers: int) -> dict:
         """)
         table_gb = peak_gb()
         profile = FilterProfile(name="bench", dedup=("phash",), phash_distance=4)
-        hook = pp.PartitionedLosers(LocalProcesses(workers), Path(work) / "partitions")
-        if path == "arrays":  # the hook as before: every row's hash and rank handed over
-            hook = _Arrays(hook)
+        hook = None  # in_process: NearHashes over every row's arrays
+        if path == "partitioned":
+            hook = pp.PartitionedLosers(LocalProcesses(workers), Path(work) / "partitions")
         arrow = pa.default_memory_pool()
         arrow_before = arrow.bytes_allocated()
         tracemalloc.start()  # numpy's arrays and Python's objects; Arrow's pool beside it
@@ -79,23 +80,12 @@ def one(path: str, rows: int, workers: int) -> dict:
     }
 
 
-class _Arrays:
-    def __init__(self, hook):
-        self.hook = hook
-
-    def __call__(self, *args):
-        return self.hook(*args)
-
-    def summary(self) -> dict:
-        return self.hook.summary()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--duckdb-memory", default="1GB", help="SDPIPE_DUCKDB_MEMORY")
-    parser.add_argument("--path", choices=("rows", "arrays"), help=argparse.SUPPRESS)
+    parser.add_argument("--path", choices=("partitioned", "in_process"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ["SDPIPE_DUCKDB_MEMORY"] = args.duckdb_memory
     if args.path:  # one path, in this fresh process
@@ -103,17 +93,17 @@ def main() -> None:
         return
     out = {"bench": "phash_level", "rows": args.rows, "workers": args.workers}
     out["duckdb_memory"] = args.duckdb_memory
-    for path in ("arrays", "rows"):
+    for path in ("in_process", "partitioned"):
         command = [sys.executable, __file__, "--rows", str(args.rows), "--path", path]
         done = subprocess.run(
             command + ["--workers", str(args.workers)], capture_output=True, text=True, check=True
         )
         out[f"{path}_path"] = json.loads(done.stdout.strip().splitlines()[-1])
-    new, old = out["rows_path"], out["arrays_path"]
+    new, old = out["partitioned_path"], out["in_process_path"]
     out["same_marks"] = all(new[k] == old[k] for k in ("alone", "removed"))
     held = {
         k: v["held_numpy_python_mb"] + max(0, v["held_arrow_max_mb"])
-        for k, v in (("new", new), ("old", old))
+        for k, v in (("partitioned", new), ("in_process", old))
     }
     out["held_bytes_per_row"] = {k: round(v * 2**20 / args.rows, 1) for k, v in held.items()}
     out["machine"] = f"{platform.machine()} {os.cpu_count()} cores"

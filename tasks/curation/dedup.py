@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -47,14 +48,13 @@ RANK_ORDER = (
 
 class PhashLosers(Protocol):
     """How a pHash level finds its losers in place of `NearHashes` (the partitioned tasks,
-    `tasks.curation.phash_partitioned.PartitionedLosers`): bool [N] as
-    `NearHashes(hashes, max_distance).losers(rank, include)`; `summary()`: what its record keeps.
-    A hook with `from_rows(batches, num_ranks, max_distance)` (the losing ranks, range by range)
-    is given the rows as batches from DuckDB instead of every row's arrays (`_phash_from_rows`)."""
+    `tasks.curation.phash_partitioned.PartitionedLosers`), given its rows as batches from DuckDB
+    (`hash` uint64, `rank` int64): the ranks that lose, as `NearHashes.losers`, range by range
+    (`_phash_from_rows`); `summary()`: what its record keeps."""
 
-    def __call__(
-        self, hashes: np.ndarray, rank: np.ndarray, max_distance: int, include: np.ndarray | None
-    ) -> np.ndarray: ...
+    def from_rows(
+        self, batches: Iterable[pa.RecordBatch], num_ranks: int, max_distance: int
+    ) -> Iterator[np.ndarray]: ...
 
     def summary(self) -> dict: ...
 
@@ -157,78 +157,84 @@ def mark(
             f"{value} AS value, row_number() OVER (ORDER BY {', '.join(_rank_terms(con))}) - 1 "
             f"AS pos FROM passing WHERE {value} IS NOT NULL"
         )
-        if level == "phash" and hasattr(phash, "from_rows"):  # no per-row arrays here
-            alone = _phash_from_rows(con, phash, profile.phash_distance)
+        if level == "phash" and phash is not None:  # rows streamed to the partitioned tasks
+            alone, lost = _phash_from_rows(con, phash, profile.phash_distance)
             if notes is not None:
                 notes.setdefault("partitioned", {})["phash"] = phash.summary()
-            con.sql("DROP TABLE ranked")
-            if alone == 0:
-                return 0, 0
-            con.sql(f"UPDATE passing SET reason = '{reason}' WHERE rowid IN (SELECT id FROM lost)")
-            con.sql("DROP TABLE lost")
-            removed = _scalar(con, f"SELECT count(*) FROM passing WHERE reason = '{reason}'")
-            return alone, removed
-        extra = ", value" if level == "phash" else ""
-        rows = con.sql(f"SELECT id, kept{extra} FROM ranked ORDER BY pos").fetchnumpy()
-        ids, kept = rows["id"], np.asarray(rows["kept"], bool)
-        rank = np.arange(len(ids))
-        if level == "phash" and phash is not None:
-            hashes, distance = np.asarray(rows["value"], np.uint64), profile.phash_distance
-            # Losers among the kept rows are those of a run over the kept rows alone.
-            alone = int(phash(hashes, rank, distance, None).sum())
-            lost = phash(hashes, rank, distance, kept) if alone else np.zeros(len(ids), bool)
-            if notes is not None:
-                notes.setdefault("partitioned", {})["phash"] = phash.summary()
-        elif level == "phash":
-            near = NearHashes(np.asarray(rows["value"], np.uint64), profile.phash_distance)
-            alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
-        elif len(ids) and semantic is not None:
-            parts, threshold = score_parts(con, scores_dir, len(ids)), profile.semantic_threshold
-            visits = profile.semantic_visits
-            alone = int(semantic(parts, rank, threshold, visits, None, device).sum())
-            lost = np.zeros(len(ids), bool)
-            if alone:  # losers among the kept rows: a run with the others absent
-                lost = semantic(parts, rank, threshold, visits, kept, device)
-            if notes is not None:
-                notes["semantic_visits"] = visits
-                notes.setdefault("partitioned", {})["semantic"] = semantic.summary()
-        elif len(ids):
-            # The cluster-ordered embeddings go to disk (SEMANTIC_TEMP_ENV), not to memory.
-            with semantic_workdir(semantic_temp(scores_dir.parent)) as workdir:
-                index = SemanticIndex(
-                    score_parts(con, scores_dir, len(ids)),
-                    rank,
-                    profile.semantic_threshold,
-                    device=device,
-                    max_visits=profile.semantic_visits,
-                    workdir=workdir,
-                )
-                alone, lost = int(index.losers().sum()), index.losers(kept)
-                if notes is not None:
-                    missed = index.estimate_missed()
-                    notes["semantic_visits"] = profile.semantic_visits
-                    notes["semantic_beyond_visits"] = index.beyond_visits
-                    notes["semantic_sampled"] = missed.sampled
-                    notes["semantic_missed_sample"] = missed.missed_sample
-                    notes["semantic_missed_estimate"] = missed.estimated
-                del index
         else:
-            alone, lost = 0, kept
+            alone, lost = _losers_in_arrays(
+                con, profile, level, scores_dir, device, notes, semantic
+            )
         con.sql("DROP TABLE ranked")
         if alone == 0:
             return 0, 0
-        con.register("lost", pa.table({"id": pa.array(ids[lost], pa.int64())}))
+        con.register("lost", pa.table({"id": lost}))
         con.sql(f"UPDATE passing SET reason = '{reason}' WHERE rowid IN (SELECT id FROM lost)")
         con.unregister("lost")
     removed = _scalar(con, f"SELECT count(*) FROM passing WHERE reason = '{reason}'")
     return alone, removed
 
 
-def _phash_from_rows(con: duckdb.DuckDBPyConnection, phash, distance: int) -> int:
-    """The pHash level through a hook that takes its rows as batches (`from_rows`): table
-    `ranked`'s rows stream to it from DuckDB, over every row (`alone`, returned) and over the
-    kept ones; the ids of the kept ones that lose go to table `lost`. This process holds a
-    batch of rows and the ranks that lose, not an array per row."""
+def _losers_in_arrays(
+    con: duckdb.DuckDBPyConnection,
+    profile: FilterProfile,
+    level: str,
+    scores_dir: Path | None,
+    device: str | torch.device | None,
+    notes: dict | None,
+    semantic: SemanticLosers | None,
+) -> tuple[int, pa.Array]:
+    """A level over table `ranked` in this process's arrays (one row each): the in-process
+    pHash and semantic levels and the partitioned semantic hook; (alone, ids of the kept rows
+    that lose)."""
+    extra = ", value" if level == "phash" else ""
+    rows = con.sql(f"SELECT id, kept{extra} FROM ranked ORDER BY pos").fetchnumpy()
+    ids, kept = rows["id"], np.asarray(rows["kept"], bool)
+    rank = np.arange(len(ids))
+    if level == "phash":
+        near = NearHashes(np.asarray(rows["value"], np.uint64), profile.phash_distance)
+        alone, lost = int(near.losers(rank).sum()), near.losers(rank, kept)
+    elif len(ids) and semantic is not None:
+        parts, threshold = score_parts(con, scores_dir, len(ids)), profile.semantic_threshold
+        visits = profile.semantic_visits
+        alone = int(semantic(parts, rank, threshold, visits, None, device).sum())
+        lost = np.zeros(len(ids), bool)
+        if alone:  # losers among the kept rows: a run with the others absent
+            lost = semantic(parts, rank, threshold, visits, kept, device)
+        if notes is not None:
+            notes["semantic_visits"] = visits
+            notes.setdefault("partitioned", {})["semantic"] = semantic.summary()
+    elif len(ids):
+        # The cluster-ordered embeddings go to disk (SEMANTIC_TEMP_ENV), not to memory.
+        with semantic_workdir(semantic_temp(scores_dir.parent)) as workdir:
+            index = SemanticIndex(
+                score_parts(con, scores_dir, len(ids)),
+                rank,
+                profile.semantic_threshold,
+                device=device,
+                max_visits=profile.semantic_visits,
+                workdir=workdir,
+            )
+            alone, lost = int(index.losers().sum()), index.losers(kept)
+            if notes is not None:
+                missed = index.estimate_missed()
+                notes["semantic_visits"] = profile.semantic_visits
+                notes["semantic_beyond_visits"] = index.beyond_visits
+                notes["semantic_sampled"] = missed.sampled
+                notes["semantic_missed_sample"] = missed.missed_sample
+                notes["semantic_missed_estimate"] = missed.estimated
+            del index
+    else:
+        alone, lost = 0, kept
+    return alone, pa.array(ids[lost], pa.int64())
+
+
+def _phash_from_rows(
+    con: duckdb.DuckDBPyConnection, phash: PhashLosers, distance: int
+) -> tuple[int, pa.Array]:
+    """The pHash level through the partitioned hook: table `ranked`'s rows stream to it from
+    DuckDB, over every row and over the kept ones; (alone, ids of the kept rows that lose).
+    This process holds a batch of rows and the ranks that lose, not an array per row."""
 
     def rows(where: str):
         sql = f"SELECT value AS hash, pos AS rank FROM ranked {where} ORDER BY pos"
@@ -239,9 +245,9 @@ def _phash_from_rows(con: duckdb.DuckDBPyConnection, phash, distance: int) -> in
     kept = list(phash.from_rows(rows("WHERE kept"), num, distance)) if alone else []
     pos = np.concatenate(kept) if kept else np.zeros(0, np.int64)
     con.register("lost_pos", pa.table({"pos": pa.array(pos, pa.int64())}))
-    con.sql("CREATE OR REPLACE TEMP TABLE lost AS SELECT id FROM ranked JOIN lost_pos USING (pos)")
+    lost = duck.to_arrow(con.sql("SELECT id FROM ranked JOIN lost_pos USING (pos)"))["id"]
     con.unregister("lost_pos")
-    return alone
+    return alone, lost
 
 
 def _rank_terms(con: duckdb.DuckDBPyConnection) -> list[str]:

@@ -407,9 +407,9 @@ def write_input(folder: Path, index: int, hashes: np.ndarray, rank: np.ndarray) 
 
 
 class PartitionedLosers:
-    """`dedup.PhashLosers` as `run_phash` on `executor`: a call writes its rows (the included
-    ones) as input files under `workdir`, in a folder named by their content, so a rerun after
-    a failure finds the same inputs, so the same plan and its finished partitions."""
+    """`dedup.PhashLosers` as `run_phash` on `executor`: a run writes its rows as input files
+    under `workdir`, in a folder named by their content, so a rerun after a failure finds the
+    same inputs, so the same plan and its finished partitions."""
 
     def __init__(self, executor, workdir: Path, rows: int | None = None):
         self.executor, self.workdir = executor, Path(workdir)
@@ -420,36 +420,22 @@ class PartitionedLosers:
     def __call__(
         self, hashes: np.ndarray, rank: np.ndarray, max_distance: int, include: np.ndarray | None
     ) -> np.ndarray:
+        """bool [N] as `NearHashes(hashes, max_distance).losers(rank, include)`, every row's
+        arrays given at once (tests, benches); filter-pixels streams its rows to `from_rows`."""
         if include is not None:
             hashes, rank = hashes[include], rank[include]
         num_ranks = int(rank.max()) + 1 if len(rank) else 0
-        out = np.zeros(len(include) if include is not None else len(rank), bool)
-        if not num_ranks:
-            return out
-        inputs = self._inputs(hashes.astype(np.uint64), rank.astype(np.int64))
-        p = make_plan(
-            inputs, num_ranks, max_distance, self.workdir, rows_per_task=self.rows_per_task
+        rows = pa.record_batch(
+            {"hash": pa.array(hashes, pa.uint64()), "rank": pa.array(rank, pa.int64())}
         )
-        self.folders.append(p.root)
-        run = run_phash(p, self.executor)
-        self.runs.append(run)
-        lost = run.dropped()[rank]
+        dropped = np.zeros(num_ranks, bool)
+        for losing in self.from_rows([rows], num_ranks, max_distance):
+            dropped[losing] = True
         if include is None:
-            return lost
-        out[np.flatnonzero(include)] = lost
+            return dropped[rank]
+        out = np.zeros(len(include), bool)
+        out[np.flatnonzero(include)] = dropped[rank]
         return out
-
-    def _inputs(self, hashes: np.ndarray, rank: np.ndarray) -> list[Path]:
-        name = hashlib.sha256(hashes.tobytes())
-        name.update(rank.tobytes())
-        folder = self.workdir / f"phash-inputs-{name.hexdigest()[:16]}-{self.rows_per_task}"
-        self.folders.append(folder)
-        if not folder.is_dir():  # written whole under a temporary name: present is complete
-            tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            write_inputs(tmp, hashes, rank, self.rows_per_task)
-            tmp.rename(folder)
-        return sorted(folder.glob("[0-9]*.npy"))
 
     def from_rows(
         self, batches: Iterable[pa.RecordBatch], num_ranks: int, max_distance: int
