@@ -15,9 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-FOLDER_ENV = (
-    "SDPIPE_AGENT_NOTES"  # where a node's notes go (default: <tmp>/sdpipe-agent-notes-<uid>)
-)
+# Where a node's notes go (default: <tmp>/sdpipe-agent-notes-<uid>).
+FOLDER_ENV = "SDPIPE_AGENT_NOTES"
 KEEP_S = 7 * 86400  # notes a run never removed (its flow process was killed) go after this long
 _open: list = []  # the agent's report file: faulthandler writes to its descriptor when it dies
 log = logging.getLogger(__name__)
