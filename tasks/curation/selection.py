@@ -65,13 +65,17 @@ def forget_other_scorer(root: Path, source: str, identity: dict | None) -> None:
         path.unlink(missing_ok=True)
 
 
-def write_shards(root: Path, source: str, kept: pa.RecordBatchReader, shards: list[Path]) -> int:
+def write_shards(
+    root: Path, source: str, kept: pa.RecordBatchReader | pa.Table, shards: list[Path]
+) -> int:
     """Each fetched shard's kept rows (`kept`: key, caption, filename, in filename order, as
     batches read one at a time: a shard's rows at most are held) to
     `selected/<shard>.parquet` (key, caption), a file for every shard, none for others. Returns
     how many shards whose rows changed had tokens or latents built from them (forgotten first).
     """
     out_dir = root / source / STAGE
+    if isinstance(kept, pa.Table):
+        kept = pa.RecordBatchReader.from_batches(kept.schema, kept.to_batches())
     by_name = {str(p): p for p in shards}
     out_dir.mkdir(parents=True, exist_ok=True)
     names = {p.name for p in shards}
